@@ -1,0 +1,47 @@
+"""gpucx: move array data between processes and GPUs through UCX.
+
+The public names; everything else is internal.  See the user guide in
+``docs/`` and the contract in ``DESIGN.md``.
+"""
+
+from ._version import __version__
+from ._lib import UCX_VERSION
+from .context import Context
+from .endpoint import Endpoint
+from .errors import (
+    CanceledError,
+    ClosedError,
+    InvalidAddressError,
+    MessageTruncatedError,
+    PeerError,
+    TimeoutError,
+    UCXError,
+    UnsupportedError,
+)
+from .listener import Listener
+from .mem.memtype import MemoryType
+from .ops.tag import TAG_MASK_FULL, ProbedMessage
+from .request import RecvInfo, Request
+from .worker import Worker
+
+__all__ = [
+    "__version__",
+    "UCX_VERSION",
+    "Context",
+    "Worker",
+    "Endpoint",
+    "Listener",
+    "Request",
+    "RecvInfo",
+    "ProbedMessage",
+    "MemoryType",
+    "TAG_MASK_FULL",
+    "UCXError",
+    "ClosedError",
+    "CanceledError",
+    "MessageTruncatedError",
+    "PeerError",
+    "TimeoutError",
+    "UnsupportedError",
+    "InvalidAddressError",
+]

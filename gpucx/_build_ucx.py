@@ -1,0 +1,105 @@
+"""cffi builder for ``gpucx._ucx`` (API mode).  Build time only.
+
+Finds UCX headers and libraries:
+
+* ``GPUCX_UCX_PREFIX`` set: a system UCX installed under that prefix
+  (``include/`` and ``lib/`` or ``lib64/``); the extension gets an rpath to it.
+* otherwise: the ``libucx-cu12`` wheel (headers in ``libucx/include``); the
+  runtime loads the wheel's libraries before importing the extension, so no
+  rpath and no ``LD_LIBRARY_PATH`` are needed.
+
+The cdefs come from ``gpucx/_cdefs/*.py`` (one module per UCX header, joined
+in the order of ``_cdefs.MODULES``); the C source is ``_ucx_helpers.c``
+followed by the per-area files in ``C_SOURCES``.
+"""
+
+import os
+import pathlib
+import runpy
+
+from cffi import FFI
+
+HERE = pathlib.Path(__file__).resolve().parent
+CDEFS = HERE / "_cdefs"
+
+# Per-area C helpers appended after _ucx_helpers.c, in this order.
+C_SOURCES = ["_ucx_helpers.c"] + [
+    f"_csrc/{name}.c" for name in ("am", "stream", "rma", "atomic") if
+    (HERE / "_csrc" / f"{name}.c").exists()
+]
+
+
+def _package_version():
+    return runpy.run_path(str(HERE / "_version.py"))["__version__"]
+
+
+def _ucx_location():
+    prefix = os.environ.get("GPUCX_UCX_PREFIX", "").strip()
+    if prefix:
+        root = pathlib.Path(prefix).resolve()
+        libdir = next(
+            (d for d in (root / "lib", root / "lib64") if (d / "libucp.so").exists()),
+            None,
+        )
+        if not (root / "include" / "ucp" / "api" / "ucp.h").exists() or libdir is None:
+            raise RuntimeError(
+                f"GPUCX_UCX_PREFIX={prefix}: expected include/ucp/api/ucp.h and "
+                "lib/libucp.so (or lib64/) under it"
+            )
+        return str(root / "include"), str(libdir), str(root)
+    try:
+        import libucx
+    except ImportError as exc:
+        raise RuntimeError(
+            "building gpucx needs the libucx-cu12 wheel (pip install libucx-cu12) "
+            "or GPUCX_UCX_PREFIX pointing at a UCX installation"
+        ) from exc
+    root = pathlib.Path(libucx.__file__).resolve().parent
+    return str(root / "include"), str(root / "lib"), ""
+
+
+def _load_cdefs():
+    order = runpy.run_path(str(CDEFS / "__init__.py"))["MODULES"]
+    includes, types, functions = [], [], []
+    for name in order:
+        mod = runpy.run_path(str(CDEFS / f"{name}.py"))
+        includes.append(mod["INCLUDES"])
+        types.append(mod["TYPES"])
+        functions.append(mod["FUNCTIONS"])
+    # Per-area helper cdefs (helpers_am.py, ...) follow the core helpers.
+    for path in sorted(CDEFS.glob("helpers_*.py")):
+        mod = runpy.run_path(str(path))
+        types.append(mod["TYPES"])
+        functions.append(mod["FUNCTIONS"])
+    return "\n".join(includes), "\n".join(types) + "\n".join(functions)
+
+
+def build_ffi():
+    include_dir, lib_dir, prefix = _ucx_location()
+    includes, cdef = _load_cdefs()
+    source = includes + "\n".join(
+        (HERE / name).read_text() for name in C_SOURCES
+    )
+    ffi = FFI()
+    ffi.cdef(cdef)
+    extra_link = [f"-Wl,-rpath,{lib_dir}"] if prefix else []
+    ffi.set_source(
+        "gpucx._ucx",
+        source,
+        include_dirs=[include_dir],
+        library_dirs=[lib_dir],
+        libraries=["ucp", "ucs"],
+        define_macros=[
+            ("GPUCX_VERSION_STRING", f'"{_package_version()}"'),
+            ("GPUCX_UCX_PREFIX_STRING", f'"{prefix}"'),
+        ],
+        extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],
+        extra_link_args=extra_link,
+    )
+    return ffi
+
+
+ffibuilder = build_ffi()
+
+if __name__ == "__main__":
+    ffibuilder.compile(tmpdir=str(HERE.parent / "build" / "cffi"), verbose=True)

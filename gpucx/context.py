@@ -1,0 +1,96 @@
+"""The UCX context: features, configuration, memory domain."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from . import config as _config
+from ._handle import Handle, raise_closed, register_root
+from ._lib import ffi, lib
+from .errors import check
+from .mem.memtype import MemoryType
+
+__all__ = ["Context"]
+
+
+class Context(Handle):
+    """A UCX application context (``ucp_init``).
+
+    Parameters
+    ----------
+    features : iterable of str, optional
+        Subset of ``{"tag", "am", "rma", "amo", "stream"}``; ``None`` = all.
+    config : dict, optional
+        UCX options without the ``UCX_`` prefix, e.g. ``{"TLS": "tcp"}``.
+        ``UCX_*`` environment variables still apply underneath.  Unless
+        chosen, gpucx sets ``MM_ERROR_HANDLING=y`` so that shared memory
+        stays in use with peer error handling.
+
+    Raises
+    ------
+    ValueError
+        For an unknown feature, or a UCX option UCX does not know or whose
+        value it rejects (the message names the option).
+    TypeError
+        If ``config`` is not a dict of strings.
+    gpucx.UCXError
+        If ``ucp_init`` fails.
+    """
+
+    def __init__(
+        self,
+        features: Iterable[str] | None = None,
+        config: Mapping[str, object] | None = None,
+    ):
+        self._init_handle()
+        mask, names = _config.feature_mask(features)
+        options = _config.normalize(config)
+        cfg = ffi.new("ucp_config_t **")
+        check(lib.gpucx_config_create(cfg), "ucp_config_read")
+        out = ffi.new("ucp_context_h *")
+        try:
+            for name, value in options.items():
+                st = lib.ucp_config_modify(cfg[0], name.encode(), value.encode())
+                if st != lib.UCS_OK:
+                    raise ValueError(
+                        f"UCX config option {name!r}: unknown option or invalid "
+                        f"value {value!r}"
+                    )
+            check(lib.gpucx_context_create(cfg[0], mask, b"gpucx", out), "ucp_init")
+        finally:
+            lib.ucp_config_release(cfg[0])
+        self._h = out[0]
+        self.features = names
+        self.config = options
+        register_root(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else ",".join(sorted(self.features))
+        return f"<gpucx.Context {state}>"
+
+    @property
+    def memory_types(self) -> frozenset[MemoryType]:
+        """Memory types this context's transports can move."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        bits = lib.gpucx_context_memory_types(h)
+        return frozenset(m for m in MemoryType if m.value < 64 and bits >> m.value & 1)
+
+    def create_worker(self, thread_mode: str = "single"):
+        """Create a :class:`~gpucx.Worker` (``"single"``, ``"serialized"``,
+        ``"multi"``).
+
+        Raises
+        ------
+        ValueError
+            For an unknown thread mode.
+        gpucx.ClosedError
+            If the context is closed.
+        """
+        from .worker import Worker
+
+        return Worker(self, thread_mode)
+
+    def _release(self) -> None:
+        lib.ucp_cleanup(self._h)

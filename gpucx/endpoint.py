@@ -1,0 +1,190 @@
+"""Endpoints: a connection from a worker to one peer."""
+
+from __future__ import annotations
+
+import time
+
+from ._handle import Handle, raise_closed
+from ._lib import ffi, lib
+from .errors import InvalidAddressError, UCXError, check, error_for
+from .ops import tag as _tag
+from .request import INPROGRESS, block, new_slot, raise_status
+
+__all__ = ["Endpoint"]
+
+#: Longest a flush close may take before gpucx falls back to a force close.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class Endpoint(Handle):
+    """A connection to one peer worker (``ucp_ep_create``).
+
+    Made by :meth:`Worker.connect` or :meth:`Listener.accept`.  Sends go
+    through the endpoint; tag receives are worker-wide.
+    """
+
+    def __init__(self, worker, state, peer: str):
+        self._init_handle()
+        self._w = worker
+        self._state = state
+        self._h = state.ep
+        self.peer = peer
+        worker._adopt(self)
+
+    @classmethod
+    def _connect(cls, worker, address, error_handling: bool):
+        wstate = worker._state
+        if worker._h is None:
+            raise_closed(worker)
+        state = ffi.new("gpucx_ep_state_t *")
+        mode = 1 if error_handling else 0
+        if isinstance(address, (bytes, bytearray, memoryview)):
+            blob = bytes(address)
+            _check_worker_address(blob)
+            st = lib.gpucx_ep_create_address(wstate, blob, mode, state)
+            peer = f"worker address ({len(blob)} bytes)"
+        elif isinstance(address, tuple) and len(address) == 2:
+            host, port = address
+            if not isinstance(host, str) or not isinstance(port, int):
+                raise TypeError("address must be (host: str, port: int)")
+            if not 0 < port < 65536:
+                raise ValueError(f"port must be in 1..65535, not {port}")
+            st = lib.gpucx_ep_create_sockaddr(wstate, host.encode(), port, mode, state)
+            peer = f"{host}:{port}"
+        else:
+            raise TypeError(
+                "address must be a peer's worker address (bytes) or a "
+                f"(host, port) tuple, not {type(address).__name__}"
+            )
+        if st == lib.UCS_ERR_INVALID_ADDR and not isinstance(address, tuple):
+            raise InvalidAddressError("ucp_ep_create: malformed worker address", st)
+        if st == lib.UCS_ERR_INVALID_ADDR:
+            raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
+        check(st, f"ucp_ep_create({peer})")
+        return cls(worker, state, peer)
+
+    @classmethod
+    def _accept(cls, worker, conn_request, peer: str):
+        state = ffi.new("gpucx_ep_state_t *")
+        check(
+            lib.gpucx_ep_create_conn(worker._state, conn_request, 1, state),
+            "ucp_ep_create(conn_request)",
+        )
+        return cls(worker, state, peer)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else self.peer
+        return f"<gpucx.Endpoint {state}>"
+
+    @property
+    def worker(self):
+        """The :class:`~gpucx.Worker` this endpoint belongs to."""
+        return self._w
+
+    @property
+    def error(self) -> UCXError | None:
+        """The failure UCX reported for this endpoint (peer death...), or None."""
+        st = self._state.error
+        return None if st == lib.UCS_OK else error_for(st, f"endpoint {self.peer}")
+
+    @property
+    def transports(self) -> list[tuple[str, str]]:
+        """``(transport, device)`` of each lane this endpoint uses
+        (``ucp_ep_query``).  Lanes are final once the first operation
+        completed (or after :meth:`flush`)."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        names = ffi.new("const char *[128]")
+        n = lib.gpucx_ep_transports(h, names, 64)
+        if n < 0:
+            raise UCXError("ucp_ep_query(transports) failed")
+        return [
+            (ffi.string(names[2 * i]).decode(), ffi.string(names[2 * i + 1]).decode())
+            for i in range(n)
+        ]
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Complete all operations issued on this endpoint at the peer.
+
+        Raises
+        ------
+        gpucx.PeerError
+            If the peer is dead or unreachable.
+        gpucx.TimeoutError
+            When ``timeout`` passes first.
+        """
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        slot = new_slot()
+        st = lib.gpucx_ep_flush(h, slot)
+        if st == INPROGRESS:
+            st = block(self._w, slot, timeout)
+        if st != lib.UCS_OK:
+            raise_status(st, f"flush of endpoint {self.peer}", self)
+
+    # -- tag matching (facades over gpucx.ops.tag) ---------------------------
+
+    send = _tag.send
+    send_nb = _tag.send_nb
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self, force: bool = False) -> None:
+        """Close the endpoint.
+
+        By default a flush close: operations already issued complete first
+        (bounded by ``CLOSE_TIMEOUT_S``, then force).  ``force=True`` closes at
+        once (``UCP_EP_CLOSE_MODE_FORCE``); pending operations are canceled.
+        Safe to call twice.
+        """
+        self._force = force
+        super().close()
+
+    def _release(self) -> None:
+        w = self._w
+        if w._h is None:  # pragma: no cover - worker closes its children first
+            return
+        force = getattr(self, "_force", False) or self._state.error != lib.UCS_OK
+        slot = new_slot()
+        if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
+            _close_wait(w, slot, CLOSE_TIMEOUT_S)
+        if slot.status == INPROGRESS:
+            # UCX still owns the close request: never close twice, never free
+            # the slot under it; the worker settles it when it is destroyed.
+            w._park(slot, None)
+        else:
+            lib.gpucx_slot_release(slot)
+
+
+def _close_wait(worker, slot, timeout: float) -> None:
+    """Wait (bounded) for an endpoint close.
+
+    A flush close needs the peer to progress.  The peer may be another
+    worker of this process (tests, pipelines), so every live worker of the
+    same context is progressed too; otherwise this is a plain sleep on the
+    worker's event fd.
+    """
+    end = time.monotonic() + timeout
+    siblings = [
+        c for c in worker._context._children if c is not worker and c._is_worker
+    ]
+    efd = -1 if siblings else worker._efd
+    while slot.status == INPROGRESS and time.monotonic() < end:
+        for other in siblings:
+            if other._h is not None:
+                lib.ucp_worker_progress(other._h)
+        lib.gpucx_worker_sleep(worker._h, efd, 1)
+
+
+def _check_worker_address(blob: bytes) -> None:
+    """Reject address blobs that cannot be UCX worker addresses.
+
+    UCX parses addresses without bounds checks, so gpucx refuses what is
+    obviously not one before UCX sees it.
+    """
+    if len(blob) < 8:
+        raise InvalidAddressError(
+            f"malformed worker address: {len(blob)} bytes is too short"
+        )

@@ -1,0 +1,143 @@
+"""UCX status codes and the exceptions they become.
+
+One table (``_STATUS_TO_CLASS``) maps every ``ucs_status_t`` to an exception
+class; :func:`check` is the one function that turns a status into an
+exception.  Every error keeps ``.status`` and ``.status_name``.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+from ._lib import ffi, lib
+
+__all__ = [
+    "UCXError",
+    "ClosedError",
+    "CanceledError",
+    "MessageTruncatedError",
+    "PeerError",
+    "TimeoutError",
+    "UnsupportedError",
+    "InvalidAddressError",
+    "check",
+    "status_name",
+    "error_for",
+]
+
+
+class UCXError(Exception):
+    """A UCX operation failed.
+
+    Attributes
+    ----------
+    status : int or None
+        The ``ucs_status_t`` value (``None`` for errors gpucx raises itself
+        without a UCX status, such as use after close).
+    status_name : str
+        The symbolic name, e.g. ``"UCS_ERR_CANCELED"`` (``""`` when ``status``
+        is ``None``).
+    """
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.status_name = status_name(status) if status is not None else ""
+
+
+class ClosedError(UCXError):
+    """The object (or its parent) was closed, or belongs to the parent of a
+    forked child process."""
+
+
+class CanceledError(UCXError):
+    """The request was canceled (``UCS_ERR_CANCELED``)."""
+
+
+class MessageTruncatedError(UCXError):
+    """The receive buffer was smaller than the message.
+
+    Attributes
+    ----------
+    buffer_size : int or None
+        Bytes the receive buffer holds.
+    message_size : int or None
+        Bytes the sender sent, when UCX reports it.
+    """
+
+    buffer_size: int | None = None
+    message_size: int | None = None
+
+
+class PeerError(UCXError, ConnectionError):
+    """The peer died, reset the connection, or cannot be reached."""
+
+
+class TimeoutError(UCXError, builtins.TimeoutError):
+    """A deadline passed (a ``timeout=`` argument, or ``UCS_ERR_TIMED_OUT``)."""
+
+
+class UnsupportedError(UCXError):
+    """This UCX build, transport set or machine cannot do what was asked."""
+
+
+class InvalidAddressError(UCXError, ValueError):
+    """A worker address or socket address is malformed or unusable."""
+
+
+def status_name(status: int) -> str:
+    """Return the symbolic name of a ``ucs_status_t`` value."""
+    return ffi.string(lib.gpucx_status_name(status)).decode()
+
+
+def _build_table() -> dict[int, type[UCXError]]:
+    table: dict[int, type[UCXError]] = {
+        lib.UCS_ERR_CANCELED: CanceledError,
+        lib.UCS_ERR_MESSAGE_TRUNCATED: MessageTruncatedError,
+        lib.UCS_ERR_TIMED_OUT: TimeoutError,
+        lib.UCS_ERR_UNSUPPORTED: UnsupportedError,
+        lib.UCS_ERR_NOT_IMPLEMENTED: UnsupportedError,
+        lib.UCS_ERR_INVALID_ADDR: InvalidAddressError,
+        lib.UCS_ERR_UNREACHABLE: PeerError,
+        lib.UCS_ERR_CONNECTION_RESET: PeerError,
+        lib.UCS_ERR_NOT_CONNECTED: PeerError,
+        lib.UCS_ERR_REJECTED: PeerError,
+        lib.UCS_ERR_ENDPOINT_TIMEOUT: PeerError,
+        lib.UCS_ERR_IO_ERROR: PeerError,
+    }
+    for st in range(lib.UCS_ERR_LAST_LINK_FAILURE, lib.UCS_ERR_FIRST_LINK_FAILURE + 1):
+        table[st] = PeerError
+    for st in range(
+        lib.UCS_ERR_LAST_ENDPOINT_FAILURE, lib.UCS_ERR_FIRST_ENDPOINT_FAILURE + 1
+    ):
+        table[st] = PeerError
+    return table
+
+
+_STATUS_TO_CLASS = _build_table()
+
+
+def error_for(status: int, what: str) -> UCXError:
+    """Build (not raise) the exception for a failed ``status``."""
+    cls = _STATUS_TO_CLASS.get(status, UCXError)
+    reason = ffi.string(lib.ucs_status_string(status)).decode()
+    return cls(f"{what}: {reason}", status)
+
+
+def check(status: int, what: str) -> None:
+    """Raise the exception for ``status`` unless it is ``UCS_OK``.
+
+    Parameters
+    ----------
+    status : int
+        A ``ucs_status_t`` value.
+    what : str
+        The operation, used as the message prefix.
+
+    Raises
+    ------
+    UCXError
+        Or the subclass the status maps to, when ``status`` is not ``UCS_OK``.
+    """
+    if status != 0:
+        raise error_for(status, what)

@@ -1,0 +1,78 @@
+"""Listeners: accept connections on a socket address."""
+
+from __future__ import annotations
+
+import time
+
+from ._handle import Handle, raise_closed
+from ._lib import ffi, lib
+from .errors import TimeoutError, check
+
+__all__ = ["Listener"]
+
+
+class Listener(Handle):
+    """Accepts peers that connect to ``(host, port)`` (``ucp_listener_create``).
+
+    Connection requests are queued by a C callback during progress;
+    :meth:`accept` turns the oldest into an :class:`~gpucx.Endpoint`.
+    """
+
+    def __init__(self, worker, host: str, port: int):
+        if worker._h is None:
+            raise_closed(worker)
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be in 0..65535, not {port!r}")
+        self._init_handle()
+        state = ffi.new("gpucx_listener_state_t *")
+        check(
+            lib.gpucx_listener_create(worker._h, host.encode(), port, state),
+            f"ucp_listener_create({host}:{port})",
+        )
+        self._state = state
+        self._h = state.listener
+        self._w = worker
+        self.host = host
+        self.port = lib.gpucx_listener_port(self._h)
+        worker._adopt(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else f"{self.host}:{self.port}"
+        return f"<gpucx.Listener {state}>"
+
+    def accept(self, timeout: float | None = None):
+        """Wait for the next peer and return its :class:`~gpucx.Endpoint`.
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When no peer connects within ``timeout`` seconds.
+        gpucx.ClosedError
+            If the listener is closed.
+        """
+        from .endpoint import Endpoint
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._h is None:
+                raise_closed(self)
+            req = lib.gpucx_listener_pop(self._state)
+            if req != ffi.NULL:
+                return Endpoint._accept(self._w, req, f"peer of {self.host}:{self.port}")
+            w = self._w
+            if deadline is None:
+                ms = 100
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"no connection on {self.host}:{self.port} within {timeout} s",
+                        lib.UCS_ERR_TIMED_OUT,
+                    )
+                ms = min(100, max(1, int(left * 1000)))
+            lib.gpucx_worker_sleep(w._h, w._efd, ms)
+            w._poll_events()
+
+    def _release(self) -> None:
+        lib.gpucx_listener_drain(self._state)
+        lib.ucp_listener_destroy(self._h)

@@ -1,0 +1,308 @@
+"""Tag-matched messaging (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx``).
+
+Plain UCP on the wire: the user's tag and bytes, nothing added, so gpucx
+interoperates with any UCX program that uses the same tags.
+
+The blocking calls post and progress in one C call on the worker's shared
+slot (no per-message allocation); the ``_nb`` calls return a
+:class:`~gpucx.Request` that holds the buffers until completion.  A list of
+buffers is one message (UCX IOV datatype).
+"""
+
+from __future__ import annotations
+
+from .._handle import raise_closed
+from .._lib import ffi, lib
+from ..mem.buffer import acquire
+from ..request import (
+    INPROGRESS,
+    SPIN_NS,
+    RecvInfo,
+    Request,
+    block,
+    new_slot,
+    raise_status,
+)
+
+__all__ = ["send", "send_nb", "recv", "recv_nb", "probe", "TAG_MASK_FULL"]
+
+#: Match every bit of the tag.
+TAG_MASK_FULL = (1 << 64) - 1
+
+_SEND = "tag send"
+_RECV = "tag recv"
+
+
+def _bad_tag(tag, tag_mask=0) -> ValueError | TypeError:
+    for name, value in (("tag", tag), ("tag_mask", tag_mask)):
+        if not isinstance(value, int):
+            return TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if not 0 <= value <= TAG_MASK_FULL:
+            return ValueError(f"{name} must be in [0, 2**64), not {value}")
+    return ValueError("bad tag")  # pragma: no cover
+
+
+def _iov(bufs, writable: bool):
+    """Acquire each buffer of a list; build the UCX IOV array."""
+    n = len(bufs)
+    if n == 0:
+        raise ValueError("a list of buffers must not be empty")
+    iov = ffi.new("ucp_dt_iov_t[]", n)
+    keep = [iov]
+    memtype = None
+    for i, b in enumerate(bufs):
+        ptr, nbytes, mt, k = acquire(b, writable)
+        if memtype is None:
+            memtype = mt
+        elif mt != memtype:
+            raise ValueError(
+                "all buffers of one message must be in the same memory type"
+            )
+        iov[i].buffer = ffi.cast("void *", ptr)
+        iov[i].length = nbytes
+        keep.append(k)
+    total = sum(iov[i].length for i in range(n))
+    return iov, n, memtype, keep, total
+
+
+def _sync_slot(w):
+    return new_slot() if w._multi else w._sslot
+
+
+def send(ep, buf, tag: int = 0) -> None:
+    """Send ``buf`` to the peer with ``tag``; return once ``buf`` is reusable.
+
+    ``buf`` is any object :func:`gpucx.mem.as_buffer` accepts, or a list of
+    them sent as one message.
+
+    Raises
+    ------
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send (non-contiguous...).
+    ValueError
+        For a tag outside [0, 2**64).
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    w = ep._w
+    if type(buf) is list or type(buf) is tuple:
+        send_nb(ep, buf, tag).wait()
+        return
+    ptr, n, mt, keep = acquire(buf, False)
+    slot = _sync_slot(w)
+    try:
+        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, SPIN_NS)
+    except (OverflowError, TypeError):
+        raise _bad_tag(tag) from None
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, None, keep)
+        if st:
+            raise_status(st, _SEND, ep)
+
+
+def send_nb(ep, buf, tag: int = 0, sync: bool = False) -> Request:
+    """Start sending ``buf`` (or a list of buffers as one message).
+
+    With ``sync=True`` the request completes only once the receiver matched
+    the message (``ucp_tag_send_sync_nbx``).
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns None.
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send.
+    ValueError
+        For a tag outside [0, 2**64) or an empty list.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    slot = new_slot()
+    try:
+        if type(buf) is list or type(buf) is tuple:
+            iov, count, mt, keep, _ = _iov(buf, False)
+            st = lib.gpucx_tag_send_iov(h, iov, count, tag, mt, 1 if sync else 0, slot)
+        else:
+            ptr, n, mt, keep = acquire(buf, False)
+            st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
+    except (OverflowError, TypeError) as exc:
+        if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
+            raise exc
+        raise _bad_tag(tag) from None
+    del st
+    return Request(ep._w, slot, keep, _SEND, None, ep)
+
+
+def _recv_info(req) -> RecvInfo:
+    slot = req._slot
+    return RecvInfo(slot.tag, slot.length)
+
+
+def recv(
+    worker,
+    buf,
+    tag: int = 0,
+    tag_mask: int = TAG_MASK_FULL,
+    timeout: float | None = None,
+) -> RecvInfo:
+    """Receive one message whose tag matches ``tag`` under ``tag_mask``.
+
+    Returns
+    -------
+    RecvInfo
+        ``(tag, nbytes)``: the sender's tag and the bytes received.
+
+    Raises
+    ------
+    gpucx.MessageTruncatedError
+        If the message is larger than ``buf`` (names both sizes).
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first (the receive is canceled).
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    h = worker._h
+    if h is None:
+        raise_closed(worker)
+    if type(buf) is list or type(buf) is tuple:
+        return recv_nb(worker, buf, tag, tag_mask).wait(timeout)
+    ptr, n, mt, keep = acquire(buf, True)
+    slot = _sync_slot(worker)
+    try:
+        if timeout is None:
+            st = lib.gpucx_tag_recv_wait(h, ptr, n, tag, tag_mask, mt, slot, SPIN_NS)
+        else:
+            st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
+    except (OverflowError, TypeError):
+        raise _bad_tag(tag, tag_mask) from None
+    if st:
+        if st == INPROGRESS:
+            st = block(worker, slot, timeout, keep)
+        if st:
+            raise_status(st, _RECV, None, slot, n)
+    return RecvInfo(slot.tag, slot.length)
+
+
+def recv_nb(
+    worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL
+) -> Request:
+    """Start a tag receive into ``buf`` (or a list of buffers).
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns :class:`RecvInfo`.
+
+    Raises
+    ------
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    h = worker._h
+    if h is None:
+        raise_closed(worker)
+    slot = new_slot()
+    try:
+        if type(buf) is list or type(buf) is tuple:
+            iov, count, mt, keep, n = _iov(buf, True)
+            lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
+        else:
+            ptr, n, mt, keep = acquire(buf, True)
+            lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
+    except (OverflowError, TypeError) as exc:
+        if all(isinstance(v, int) and 0 <= v <= TAG_MASK_FULL for v in (tag, tag_mask)):
+            raise exc
+        raise _bad_tag(tag, tag_mask) from None
+    return Request(worker, slot, keep, _RECV, _recv_info, None, n)
+
+
+class ProbedMessage:
+    """A message taken off the unexpected queue by ``probe(remove=True)``.
+
+    It must be received with :meth:`recv` or :meth:`recv_nb` (UCX holds it
+    until then).
+    """
+
+    __slots__ = ("tag", "nbytes", "_msg", "_worker", "_taken")
+
+    def __init__(self, worker, tag: int, nbytes: int, msg):
+        self.tag = tag
+        self.nbytes = nbytes
+        self._msg = msg
+        self._worker = worker
+        self._taken = False
+
+    def __repr__(self) -> str:
+        return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes}>"
+
+    def recv_nb(self, buf) -> Request:
+        """Start receiving the message into ``buf``.
+
+        Raises
+        ------
+        RuntimeError
+            If the message was already received.
+        BufferError
+            If ``buf`` is read-only or not contiguous.
+        """
+        w = self._worker
+        if w._h is None:
+            raise_closed(w)
+        if self._taken:
+            raise RuntimeError("this probed message was already received")
+        ptr, n, mt, keep = acquire(buf, True)
+        slot = new_slot()
+        self._taken = True
+        lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
+        return Request(w, slot, keep, _RECV, _recv_info, None, n)
+
+    def recv(self, buf, timeout: float | None = None) -> RecvInfo:
+        """Receive the message into ``buf`` (blocking)."""
+        return self.recv_nb(buf).wait(timeout)
+
+
+def probe(
+    worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False
+):
+    """Check for a matching message that arrived and was not received yet.
+
+    Progresses the worker once.  Returns None when there is none; otherwise
+    :class:`RecvInfo` (``remove=False``, the message stays queued) or a
+    :class:`ProbedMessage` to receive (``remove=True``).
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    h = worker._h
+    if h is None:
+        raise_closed(worker)
+    info = ffi.new("ucp_tag_recv_info_t *")
+    msg = ffi.new("ucp_tag_message_h *")
+    lib.ucp_worker_progress(h)
+    try:
+        found = lib.gpucx_tag_probe(h, tag, tag_mask, 1 if remove else 0, info, msg)
+    except (OverflowError, TypeError):
+        raise _bad_tag(tag, tag_mask) from None
+    if not found:
+        return None
+    if remove:
+        return ProbedMessage(worker, info.sender_tag, info.length, msg[0])
+    return RecvInfo(info.sender_tag, info.length)

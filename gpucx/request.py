@@ -1,0 +1,272 @@
+"""Requests: the Python face of one outstanding UCX operation.
+
+A :class:`Request` owns a completion slot (a C ``gpucx_slot_t`` that the UCX
+callback writes), the worker it progresses, and whatever the operation reads
+or writes (buffers, IOV arrays) until the operation completes.  The UCX
+request handle is released exactly once, by C, when completion is observed.
+
+:func:`block` is the one waiting loop: it spins in C, then sleeps on the
+worker's event fd (cffi releases the GIL), checks the deadline between
+slices, and on timeout or interrupt cancels the operation and drains it so
+that UCX never writes into memory Python has freed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import namedtuple
+from concurrent.futures import InvalidStateError
+from typing import Any
+
+from ._lib import ffi, lib
+from .errors import (
+    CanceledError,
+    MessageTruncatedError,
+    TimeoutError,
+    UCXError,
+    error_for,
+)
+
+__all__ = ["Request", "RecvInfo", "block", "INPROGRESS"]
+
+INPROGRESS = lib.UCS_INPROGRESS
+OK = lib.UCS_OK
+TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
+
+#: How long the C wait loop spins before sleeping on the event fd.
+SPIN_NS = int(float(os.environ.get("GPUCX_SPIN_US", "5000")) * 1000)
+#: Longest single sleep, so deadlines and signals are checked in time.
+_SLICE_MS = 100
+#: How long a canceled operation may take to report back.
+_DRAIN_S = 5.0
+
+RecvInfo = namedtuple("RecvInfo", ["tag", "nbytes"])
+RecvInfo.__doc__ = "What a tag receive got: the sender's ``tag`` and ``nbytes``."
+
+
+def new_slot():
+    """A fresh completion slot (C memory owned by the returned cdata)."""
+    return ffi.new("gpucx_slot_t *")
+
+
+def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
+    """Progress ``worker`` until ``slot`` completes; return its status.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first; the operation is canceled.
+    """
+    h = worker._h
+    efd = worker._efd
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            st = lib.gpucx_wait(h, slot, SPIN_NS)
+            if st != INPROGRESS:
+                return st
+            worker._poll_events()
+            if deadline is None:
+                ms = _SLICE_MS
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"operation did not complete within {timeout} s",
+                        lib.UCS_ERR_TIMED_OUT,
+                    )
+                ms = min(_SLICE_MS, max(1, int(left * 1000)))
+            st = lib.gpucx_wait_sleep(h, efd, slot, ms)
+            if st != INPROGRESS:
+                return st
+    except BaseException:
+        abandon(worker, slot, keep)
+        raise
+
+
+def abandon(worker, slot, keep: Any = None) -> None:
+    """Cancel a pending operation and wait (bounded) until UCX lets go of it.
+
+    If UCX does not report back in time, the slot and the buffers are parked
+    on the worker (never freed while UCX may still write into them).
+    """
+    if slot.status != INPROGRESS or worker._h is None:
+        lib.gpucx_slot_release(slot)
+        return
+    lib.gpucx_slot_cancel(worker._h, slot)
+    end = time.monotonic() + _DRAIN_S
+    while slot.status == INPROGRESS and time.monotonic() < end:
+        lib.gpucx_wait(worker._h, slot, 1_000_000)
+    if slot.status == INPROGRESS:
+        worker._park(slot, keep)
+    else:
+        lib.gpucx_slot_release(slot)
+    if slot is worker._sslot:
+        # The shared blocking slot may still be referenced by UCX.
+        worker._sslot = new_slot()
+
+
+def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
+    """Raise the error for a failed operation (one place for every op)."""
+    if ep is not None and ep._state is not None and ep._state.error != OK:
+        # The endpoint failed: report the endpoint's cause (peer death), not
+        # the secondary status of the request.
+        st = ep._state.error
+    exc = error_for(st, what)
+    if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
+        exc.buffer_size = nbytes
+        got = slot.length if slot is not None else 0
+        exc.message_size = got if got and nbytes is not None and got > nbytes else None
+        exc.args = (
+            f"{what}: message truncated: the receive buffer holds {nbytes} bytes"
+            + (
+                f", the message has {exc.message_size} bytes"
+                if exc.message_size
+                else ", the message is larger"
+            ),
+        )
+    raise exc
+
+
+class Request:
+    """One outstanding operation.
+
+    ``done()`` progresses the worker once and says whether the operation
+    finished; ``wait(timeout)`` blocks until it did and returns its result (or
+    raises its error); ``result()`` returns the result of a finished request;
+    ``cancel()`` asks UCX to cancel it (it then fails with
+    :class:`~gpucx.CanceledError`).  Inside asyncio a request is awaitable.
+    """
+
+    __slots__ = (
+        "_slot",
+        "_worker",
+        "_keep",
+        "_what",
+        "_finish",
+        "_ep",
+        "_nbytes",
+        "_state",
+        "_value",
+        "__weakref__",
+    )
+
+    def __init__(self, worker, slot, keep, what, finish, ep=None, nbytes=None):
+        self._slot = slot
+        self._worker = worker
+        self._keep = keep
+        self._what = what
+        self._finish = finish
+        self._ep = ep
+        self._nbytes = nbytes
+        self._state = 0  # 0 pending, 1 ok, 2 failed
+        self._value = None
+        if slot.status == INPROGRESS:
+            worker._track(self)
+        else:
+            self._complete()
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<gpucx.Request {self._what} {state}>"
+
+    def _complete(self) -> None:
+        """First observation of completion: free the UCX request, settle."""
+        slot = self._slot
+        lib.gpucx_slot_release(slot)
+        st = slot.status
+        if st == OK:
+            self._state = 1
+            self._value = self._finish(self) if self._finish is not None else None
+        else:
+            self._state = 2
+            try:
+                raise_status(st, self._what, self._ep, slot, self._nbytes)
+            except UCXError as exc:
+                self._value = exc
+        self._keep = None
+        self._worker._untrack(self)
+
+    def done(self) -> bool:
+        """Progress once if needed; return True when the operation finished."""
+        if self._state:
+            return True
+        if self._slot.status == INPROGRESS:
+            w = self._worker
+            if w._h is None:
+                return False
+            w.progress()
+            if self._slot.status == INPROGRESS:
+                return False
+        self._complete()
+        return True
+
+    def wait(self, timeout: float | None = None):
+        """Block until the operation finished; return its result.
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When ``timeout`` seconds pass first (the operation is canceled).
+        gpucx.UCXError
+            The operation's own error (``PeerError``, ``CanceledError``...).
+        """
+        if not self._state:
+            if self._slot.status == INPROGRESS:
+                w = self._worker
+                if w._h is None:
+                    from ._handle import raise_closed
+
+                    raise_closed(w)
+                try:
+                    block(w, self._slot, timeout, None)
+                except BaseException:
+                    # block() canceled and drained (or parked) the operation.
+                    if self._slot.status != INPROGRESS:
+                        self._complete()
+                    raise
+            self._complete()
+        return self.result()
+
+    def result(self):
+        """The result of a finished request (raises its error if it failed).
+
+        Raises
+        ------
+        concurrent.futures.InvalidStateError
+            When the request has not finished (use :meth:`wait`).
+        """
+        if self._state == 1:
+            return self._value
+        if self._state == 2:
+            raise self._value
+        if self.done():
+            return self.result()
+        raise InvalidStateError(f"{self!r} has not finished; call wait()")
+
+    def exception(self):
+        """The error of a finished failed request, or None."""
+        if not self.done():
+            raise InvalidStateError(f"{self!r} has not finished")
+        return self._value if self._state == 2 else None
+
+    def cancel(self) -> bool:
+        """Ask UCX to cancel the operation; True if it was still pending."""
+        if self._state or self._slot.status != INPROGRESS:
+            return False
+        w = self._worker
+        if w._h is None:
+            return False
+        lib.gpucx_slot_cancel(w._h, self._slot)
+        return True
+
+    @property
+    def canceled(self) -> bool:
+        """True when the request finished because it was canceled."""
+        return self._state == 2 and isinstance(self._value, CanceledError)
+
+    def __await__(self):
+        from . import aio
+
+        return aio.wait_request(self).__await__()

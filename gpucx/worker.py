@@ -1,0 +1,236 @@
+"""The UCX worker: progress engine, tag receive side, endpoint factory."""
+
+from __future__ import annotations
+
+import time
+
+from ._handle import Handle, raise_closed
+from ._lib import ffi, lib
+from .config import THREAD_MODES
+from .errors import ClosedError, check
+from .ops import tag as _tag
+from .request import INPROGRESS, _DRAIN_S, block, new_slot, raise_status
+
+__all__ = ["Worker"]
+
+#: How many tracked requests trigger a sweep of completed, unobserved ones.
+_SWEEP_MIN = 1024
+
+
+class Worker(Handle):
+    """A UCX worker (``ucp_worker_create``), made by
+    :meth:`Context.create_worker`.
+
+    The worker progresses communication: blocking calls progress it
+    themselves, non-blocking users call :meth:`progress` (or use
+    :mod:`gpucx.aio`).  Tag receives are worker-wide, like in UCX.
+    """
+
+    _is_worker = True
+
+    def __init__(self, context, thread_mode: str = "single"):
+        h = context._h
+        if h is None:
+            raise_closed(context)
+        try:
+            mode = THREAD_MODES[thread_mode]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"thread_mode must be one of {sorted(THREAD_MODES)}, "
+                f"not {thread_mode!r}"
+            ) from None
+        self._init_handle()
+        state = ffi.new("gpucx_worker_state_t *")
+        check(lib.gpucx_worker_create(h, mode, 1, state), "ucp_worker_create")
+        self._state = state
+        self._h = state.worker
+        self._efd = state.efd
+        self._context = context
+        self.thread_mode = thread_mode
+        self._multi = thread_mode == "multi"
+        self._sslot = new_slot()
+        self._pending: set = set()
+        self._sweep_at = _SWEEP_MIN
+        self._parked: list = []
+        self._address: bytes | None = None
+        context._adopt(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else self.thread_mode
+        return f"<gpucx.Worker {state}>"
+
+    # -- progress -----------------------------------------------------------
+
+    def progress(self) -> int:
+        """Progress outstanding communication once; return the event count.
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the worker is closed.
+        """
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        return lib.ucp_worker_progress(h)
+
+    def _poll_events(self) -> None:
+        """Hook run between wait slices (active messages plug in here)."""
+
+    def fileno(self) -> int:
+        """The worker's event fd (``ucp_worker_get_efd``), for event loops."""
+        if self._h is None:
+            raise_closed(self)
+        return self._efd
+
+    def arm(self) -> bool:
+        """``ucp_worker_arm``: True if armed (safe to sleep on the fd), False
+        if events are pending (progress again first)."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        st = lib.ucp_worker_arm(h)
+        if st == lib.UCS_ERR_BUSY:
+            return False
+        check(st, "ucp_worker_arm")
+        return True
+
+    def signal(self) -> None:
+        """Wake a thread sleeping on this worker's event fd."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        check(lib.ucp_worker_signal(h), "ucp_worker_signal")
+
+    @property
+    def address(self) -> bytes:
+        """This worker's address (``ucp_worker_query``) for
+        :meth:`connect` on a peer."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        if self._address is None:
+            out = ffi.new("void **")
+            n = ffi.new("size_t *")
+            check(lib.gpucx_worker_address(h, out, n), "ucp_worker_query(address)")
+            try:
+                self._address = bytes(ffi.buffer(out[0], n[0]))
+            finally:
+                lib.gpucx_free(out[0])
+        return self._address
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Complete every outstanding operation of every endpoint remotely.
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When ``timeout`` passes first.
+        """
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        slot = new_slot()
+        st = lib.gpucx_worker_flush(h, slot)
+        if st == INPROGRESS:
+            st = block(self, slot, timeout)
+        if st != lib.UCS_OK:
+            raise_status(st, "worker flush")
+
+    def fence(self) -> None:
+        """Order operations: those issued after the fence start after those
+        before it complete (``ucp_worker_fence``)."""
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        check(lib.ucp_worker_fence(h), "ucp_worker_fence")
+
+    # -- endpoints ----------------------------------------------------------
+
+    def connect(self, address, *, error_handling: bool = True):
+        """Create an :class:`~gpucx.Endpoint` to a peer.
+
+        Parameters
+        ----------
+        address : bytes or (str, int)
+            A peer worker's :attr:`address`, or the ``(host, port)`` of a
+            peer's :class:`~gpucx.Listener`.
+        error_handling : bool
+            Peer error-handling mode (default): a dead peer fails pending
+            operations with :class:`~gpucx.PeerError` instead of hanging.
+
+        The call returns at once, as in UCX; an unreachable peer is reported
+        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
+
+        Raises
+        ------
+        gpucx.InvalidAddressError
+            For a malformed worker address or an unresolvable host.
+        TypeError
+            If ``address`` is neither bytes nor a ``(host, port)`` pair.
+        """
+        from .endpoint import Endpoint
+
+        return Endpoint._connect(self, address, error_handling)
+
+    def listen(self, port: int = 0, host: str = "0.0.0.0"):
+        """Accept connections on ``host:port`` (0 = any free port).
+
+        Raises
+        ------
+        gpucx.UCXError
+            If UCX cannot listen there (port in use: ``UCS_ERR_BUSY``).
+        ValueError
+            For a port outside 0..65535.
+        """
+        from .listener import Listener
+
+        return Listener(self, host, port)
+
+    # -- tag matching (facades over gpucx.ops.tag) ---------------------------
+
+    recv = _tag.recv
+    recv_nb = _tag.recv_nb
+    probe = _tag.probe
+
+    # -- request bookkeeping --------------------------------------------------
+
+    def _track(self, req) -> None:
+        pending = self._pending
+        pending.add(req)
+        if len(pending) >= self._sweep_at:
+            for r in [r for r in pending if r._slot.status != INPROGRESS]:
+                r._complete()
+            self._sweep_at = max(_SWEEP_MIN, 2 * len(pending))
+
+    def _untrack(self, req) -> None:
+        self._pending.discard(req)
+
+    def _park(self, slot, keep) -> None:
+        self._parked.append((slot, keep))
+
+    def _release(self) -> None:
+        h = self._h
+        # Cancel what is still outstanding and give UCX a bounded time to
+        # report back, so no callback writes into freed slots.
+        for req in list(self._pending):
+            if req._slot.status == INPROGRESS:
+                lib.gpucx_slot_cancel(h, req._slot)
+        end = time.monotonic() + _DRAIN_S
+        while time.monotonic() < end and any(
+            r._slot.status == INPROGRESS for r in self._pending
+        ):
+            lib.ucp_worker_progress(h)
+        for req in list(self._pending):
+            if req._slot.status != INPROGRESS:
+                req._complete()
+        for slot, _keep in self._parked:
+            lib.gpucx_slot_release(slot)
+        lib.ucp_worker_destroy(h)
+        # Whatever UCX still held is gone with the worker: settle it.
+        for req in list(self._pending):
+            req._slot.req = ffi.NULL
+            req._slot.status = lib.UCS_ERR_CANCELED
+            req._complete()
+            req._value = ClosedError("worker closed with the operation pending")
+        self._parked.clear()
