@@ -4,8 +4,8 @@ The public names; everything else is internal.  See the user guide in
 ``docs/`` and the contract in ``DESIGN.md``.
 """
 
-from ._version import __version__
 from ._lib import UCX_VERSION
+from ._version import __version__
 from .context import Context
 from .endpoint import Endpoint
 from .errors import (

@@ -24,8 +24,9 @@ CDEFS = HERE / "_cdefs"
 
 # Per-area C helpers appended after _ucx_helpers.c, in this order.
 C_SOURCES = ["_ucx_helpers.c"] + [
-    f"_csrc/{name}.c" for name in ("am", "stream", "rma", "atomic") if
-    (HERE / "_csrc" / f"{name}.c").exists()
+    f"_csrc/{name}.c"
+    for name in ("am", "stream", "rma", "atomic")
+    if (HERE / "_csrc" / f"{name}.c").exists()
 ]
 
 
@@ -77,9 +78,7 @@ def _load_cdefs():
 def build_ffi():
     include_dir, lib_dir, prefix = _ucx_location()
     includes, cdef = _load_cdefs()
-    source = includes + "\n".join(
-        (HERE / name).read_text() for name in C_SOURCES
-    )
+    source = includes + "\n".join((HERE / name).read_text() for name in C_SOURCES)
     ffi = FFI()
     ffi.cdef(cdef)
     extra_link = [f"-Wl,-rpath,{lib_dir}"] if prefix else []

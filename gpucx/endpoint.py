@@ -6,7 +6,7 @@ import time
 
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
-from .errors import InvalidAddressError, UCXError, check, error_for
+from .errors import InvalidAddressError, UCXError, check, error_for, status_name
 from .ops import tag as _tag
 from .request import INPROGRESS, block, new_slot, raise_status
 
@@ -40,7 +40,7 @@ class Endpoint(Handle):
         mode = 1 if error_handling else 0
         if isinstance(address, (bytes, bytearray, memoryview)):
             blob = bytes(address)
-            _check_worker_address(blob)
+            _check_worker_address(blob, worker.address)
             st = lib.gpucx_ep_create_address(wstate, blob, mode, state)
             peer = f"worker address ({len(blob)} bytes)"
         elif isinstance(address, tuple) and len(address) == 2:
@@ -56,8 +56,13 @@ class Endpoint(Handle):
                 "address must be a peer's worker address (bytes) or a "
                 f"(host, port) tuple, not {type(address).__name__}"
             )
-        if st == lib.UCS_ERR_INVALID_ADDR and not isinstance(address, tuple):
-            raise InvalidAddressError("ucp_ep_create: malformed worker address", st)
+        if not isinstance(address, tuple) and st in (
+            lib.UCS_ERR_INVALID_ADDR,
+            lib.UCS_ERR_INVALID_PARAM,
+        ):
+            raise InvalidAddressError(
+                f"ucp_ep_create: malformed worker address ({status_name(st)})", st
+            )
         if st == lib.UCS_ERR_INVALID_ADDR:
             raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
         check(st, f"ucp_ep_create({peer})")
@@ -178,13 +183,25 @@ def _close_wait(worker, slot, timeout: float) -> None:
         lib.gpucx_worker_sleep(worker._h, efd, 1)
 
 
-def _check_worker_address(blob: bytes) -> None:
-    """Reject address blobs that cannot be UCX worker addresses.
+def _check_worker_address(blob: bytes, local: bytes) -> None:
+    """Reject blobs that cannot be UCX worker addresses before UCX sees them.
 
-    UCX parses addresses without bounds checks, so gpucx refuses what is
-    obviously not one before UCX sees it.
+    UCX trusts address blobs: an unknown format version (the low 4 bits of
+    the first byte) trips an assertion that aborts the process.  gpucx
+    accepts the format versions UCX can parse (v1 and v2) up to the one this
+    UCX writes itself; UCX checks the rest and reports ``INVALID_PARAM``.
     """
     if len(blob) < 8:
         raise InvalidAddressError(
             f"malformed worker address: {len(blob)} bytes is too short"
         )
+    version = blob[0] & _ADDRESS_VERSION_MASK
+    newest = max(local[0] & _ADDRESS_VERSION_MASK, 1)
+    if version > newest:
+        raise InvalidAddressError(
+            f"malformed worker address: format version {version} is not one "
+            f"this UCX reads (0..{newest})"
+        )
+
+
+_ADDRESS_VERSION_MASK = 0x0F

@@ -58,7 +58,9 @@ class Listener(Handle):
                 raise_closed(self)
             req = lib.gpucx_listener_pop(self._state)
             if req != ffi.NULL:
-                return Endpoint._accept(self._w, req, f"peer of {self.host}:{self.port}")
+                return Endpoint._accept(
+                    self._w, req, f"peer of {self.host}:{self.port}"
+                )
             w = self._w
             if deadline is None:
                 ms = 100

@@ -9,7 +9,7 @@ from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import tag as _tag
-from .request import INPROGRESS, _DRAIN_S, block, new_slot, raise_status
+from .request import _DRAIN_S, INPROGRESS, block, new_slot, raise_status
 
 __all__ = ["Worker"]
 

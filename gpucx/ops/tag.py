@@ -197,9 +197,7 @@ def recv(
     return RecvInfo(slot.tag, slot.length)
 
 
-def recv_nb(
-    worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL
-) -> Request:
+def recv_nb(worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL) -> Request:
     """Start a tag receive into ``buf`` (or a list of buffers).
 
     Returns
@@ -277,9 +275,7 @@ class ProbedMessage:
         return self.recv_nb(buf).wait(timeout)
 
 
-def probe(
-    worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False
-):
+def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False):
     """Check for a matching message that arrived and was not received yet.
 
     Progresses the worker once.  Returns None when there is none; otherwise

@@ -1,0 +1,1 @@
+"""Benchmark engine behind ``gpucx bench``."""

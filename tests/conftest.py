@@ -1,0 +1,128 @@
+"""Shared fixtures: contexts per transport family, worker pairs, peers.
+
+Every test has a pytest-timeout (``timeout`` in pyproject.toml); tests that
+spawn processes pass explicit, shorter join timeouts so a hang is a failure.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+import gpucx
+
+#: Transport families every transfer test runs over.
+TRANSPORTS = {
+    "default": None,
+    "tcp": {"TLS": "tcp"},
+    "shm": {"TLS": "sm,self"},
+}
+
+
+def transport_config(tls: str, listener: bool = False):
+    """Context config for a family; client/server connections (listeners)
+    need ``tcp`` in TLS for UCX's connection manager, data still moves over
+    shared memory."""
+    cfg = TRANSPORTS[tls]
+    if listener and cfg is not None and "tcp" not in cfg["TLS"]:
+        cfg = {"TLS": cfg["TLS"] + ",tcp"}
+    return cfg
+
+
+def _has_gpu() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU with CuPy")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=sorted(TRANSPORTS))
+def tls(request):
+    """Name of a transport family (default, tcp, shm)."""
+    return request.param
+
+
+@pytest.fixture
+def ctx(request):
+    """A context over the transport family of the ``tls`` fixture (if used)."""
+    name = request.getfixturevalue("tls") if "tls" in request.fixturenames else None
+    c = gpucx.Context(config=TRANSPORTS[name] if name else None)
+    yield c
+    c.close()
+
+
+class Pair:
+    """Two workers of one context in this process, connected both ways."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.a = ctx.create_worker()
+        self.b = ctx.create_worker()
+        self.ab = self.a.connect(self.b.address)
+        self.ba = self.b.connect(self.a.address)
+
+    def drive(self, *reqs, timeout: float = 10.0):
+        """Progress both workers until every request is done; return results."""
+        end = time.monotonic() + timeout
+        while not all(r.done() for r in reqs):
+            self.a.progress()
+            self.b.progress()
+            if time.monotonic() > end:
+                raise AssertionError(f"requests still pending after {timeout} s")
+        return [r.result() for r in reqs]
+
+
+@pytest.fixture
+def pair(ctx):
+    return Pair(ctx)
+
+
+def spawn(target, *args, timeout: float = 60.0):
+    """Run ``target(*args)`` in a fresh (spawned) process; return the Process."""
+    p = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    p.start()
+    return p
+
+
+def join_ok(proc, timeout: float = 60.0) -> None:
+    """Join a child; fail (and kill it) on a hang or a non-zero exit code."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+        raise AssertionError(f"child {proc.pid} hung for {timeout} s")
+    assert proc.exitcode == 0, f"child exited with {proc.exitcode}"
+
+
+class Channel:
+    """One end of a duplex pipe to a peer process, with timed receives."""
+
+    def __init__(self, conn):
+        self._conn = conn
+
+    def put(self, obj) -> None:
+        self._conn.send(obj)
+
+    def get(self, timeout: float = 60.0):
+        if not self._conn.poll(timeout):
+            raise AssertionError(f"peer said nothing for {timeout} s")
+        return self._conn.recv()
+
+
+def channel_pair():
+    """``(ours, theirs)``: two connected :class:`Channel` ends."""
+    a, b = mp.get_context("spawn").Pipe(duplex=True)
+    return Channel(a), Channel(b)

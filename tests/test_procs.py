@@ -1,0 +1,71 @@
+"""Two real processes talking over real UCX transports."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpucx
+
+from conftest import channel_pair, join_ok, spawn, transport_config
+from peers import die_before_receiving, echo_server
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = [0, 8, 1000, 65536, 1 << 20, 9 << 20]
+
+
+@pytest.mark.parametrize("via_listener", [False, True], ids=["address", "listener"])
+def test_echo_across_processes(tls, via_listener):
+    q, theirs = channel_pair()
+    child = spawn(echo_server, tls, theirs, len(SIZES), via_listener)
+    try:
+        with gpucx.Context(config=transport_config(tls, via_listener)) as ctx:
+            w = ctx.create_worker()
+            kind, where = q.get(60)
+            if via_listener:
+                ep = w.connect(("127.0.0.1", where))
+            else:
+                ep = w.connect(where)
+                q.put(w.address)
+            for i, n in enumerate(SIZES):
+                src = np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)
+                back = np.zeros(n, np.uint8)
+                req = w.recv_nb(back, tag=i | 1 << 32)
+                ep.send(src, tag=i)
+                assert req.wait(60) == (i | 1 << 32, n)
+                assert np.array_equal(src, back)
+            tag, transports = q.get(60)
+            names = {t for t, _ in transports} | {t for t, _ in ep.transports}
+            if tls == "tcp":
+                assert names <= {"tcp"}, names
+            if tls == "shm":
+                assert names & {"posix", "sysv"}, names
+            q.put("bye")
+    finally:
+        join_ok(child, 60)
+
+
+def test_peer_death_fails_pending_send():
+    """Over TCP a killed peer fails the pending rendezvous send at once.
+
+    Shared memory (UCX 1.22 with MM_ERROR_HANDLING=y) does not report a dead
+    peer at all; the reliability work tracks that separately.
+    """
+    q, theirs = channel_pair()
+    child = spawn(die_before_receiving, theirs)
+    with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(q.get(60))
+        q.put(w.address)
+        w.recv(bytearray(5), tag=1, timeout=30)
+        req = ep.send_nb(np.ones(16 << 20, np.uint8), tag=2)  # rendezvous
+        q.put("die")
+        child.join(30)
+        with pytest.raises(gpucx.PeerError):
+            req.wait(timeout=30)
+        assert isinstance(ep.error, gpucx.PeerError)
+        with pytest.raises(gpucx.PeerError):
+            ep.send(b"x" * 100, tag=3)
+        ep.close()
+    assert child.exitcode is not None and child.exitcode < 0
