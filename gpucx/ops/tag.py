@@ -65,8 +65,7 @@ def _iov(bufs, writable: bool):
     return iov, n, memtype, keep, total
 
 
-def _sync_slot(w):
-    return new_slot() if w._multi else w._sslot
+_tuple_new = tuple.__new__
 
 
 def send(ep, buf, tag: int = 0) -> None:
@@ -94,7 +93,7 @@ def send(ep, buf, tag: int = 0) -> None:
         send_nb(ep, buf, tag).wait()
         return
     ptr, n, mt, keep = acquire(buf, False)
-    slot = _sync_slot(w)
+    slot = new_slot() if w._multi else w._sslot
     try:
         st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, SPIN_NS)
     except (OverflowError, TypeError):
@@ -147,7 +146,7 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False) -> Request:
 
 def _recv_info(req) -> RecvInfo:
     slot = req._slot
-    return RecvInfo(slot.tag, slot.length)
+    return _tuple_new(RecvInfo, (slot.tag, slot.length))
 
 
 def recv(
@@ -181,7 +180,7 @@ def recv(
     if type(buf) is list or type(buf) is tuple:
         return recv_nb(worker, buf, tag, tag_mask).wait(timeout)
     ptr, n, mt, keep = acquire(buf, True)
-    slot = _sync_slot(worker)
+    slot = new_slot() if worker._multi else worker._sslot
     try:
         if timeout is None:
             st = lib.gpucx_tag_recv_wait(h, ptr, n, tag, tag_mask, mt, slot, SPIN_NS)
@@ -194,7 +193,7 @@ def recv(
             st = block(worker, slot, timeout, keep)
         if st:
             raise_status(st, _RECV, None, slot, n)
-    return RecvInfo(slot.tag, slot.length)
+    return _tuple_new(RecvInfo, (slot.tag, slot.length))
 
 
 def recv_nb(worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL) -> Request:
