@@ -101,7 +101,10 @@ def perftest(size: int, iters: int, tls: str | None) -> float:
     time.sleep(0.5)
     try:
         res = subprocess.run(
-            [exe, "localhost", *args], env=env, capture_output=True, text=True,
+            [exe, "localhost", *args],
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=120,
         )
     finally:
@@ -122,12 +125,16 @@ def main(argv=None):
     ours, lanes = gpucx_pingpong(config, plan)
     theirs = {s: perftest(s, n, args.tls) for s, n in plan}
     print(f"gpucx lanes: {lanes}")
-    print(f"{'size':>10} {'gpucx us':>10} {'perftest us':>12} {'ratio':>7} "
-          f"{'gpucx GB/s':>11} {'perftest GB/s':>14} {'bw ratio':>9}")
+    print(
+        f"{'size':>10} {'gpucx us':>10} {'perftest us':>12} {'ratio':>7} "
+        f"{'gpucx GB/s':>11} {'perftest GB/s':>14} {'bw ratio':>9}"
+    )
     for s, _ in plan:
         g, p = ours[s], theirs[s]
-        print(f"{s:>10} {g * 1e6:>10.3f} {p * 1e6:>12.3f} {g / p:>7.2f} "
-              f"{s / g / 1e9:>11.2f} {s / p / 1e9:>14.2f} {p / g:>9.2%}")
+        print(
+            f"{s:>10} {g * 1e6:>10.3f} {p * 1e6:>12.3f} {g / p:>7.2f} "
+            f"{s / g / 1e9:>11.2f} {s / p / 1e9:>14.2f} {p / g:>9.2%}"
+        )
 
 
 if __name__ == "__main__":
