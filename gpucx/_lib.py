@@ -53,14 +53,22 @@ def _check() -> tuple[int, int, int]:
         )
     v = ffi.new("unsigned[3]")
     lib.ucp_get_version(v, v + 1, v + 2)
-    major, minor, release = v[0], v[1], v[2]
-    if (major, minor) < MIN_UCX:
-        raise ImportError(
+    loaded = (v[0], v[1], v[2])
+    problem = version_problem(loaded)
+    if problem:
+        raise ImportError(problem)
+    return loaded
+
+
+def version_problem(loaded: tuple[int, int, int]) -> str | None:
+    """Why the loaded UCX version cannot be used, or None if it can."""
+    if loaded[:2] < MIN_UCX:
+        return (
             f"gpucx needs UCX >= {MIN_UCX[0]}.{MIN_UCX[1]}, the loaded libucp is "
-            f"{major}.{minor}.{release}: upgrade libucx-cu12 or point "
+            f"{'.'.join(map(str, loaded))}: upgrade libucx-cu12 or point "
             "GPUCX_UCX_PREFIX at a newer UCX"
         )
-    return major, minor, release
+    return None
 
 
 UCX_VERSION = _check()

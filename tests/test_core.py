@@ -366,3 +366,13 @@ def test_numpy_roundtrip_smoke():
         ep.send(np.array([1.0, 2.0, 3.0]), tag=1)
         assert req.wait(5) == (1, 24)
         assert out.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_ucx_version_gate():
+    from gpucx._lib import MIN_UCX, version_problem
+
+    assert version_problem((1, 22, 0)) is None
+    assert version_problem(MIN_UCX + (0,)) is None
+    msg = version_problem((1, 14, 2))
+    assert "1.14.2" in msg and "1.15" in msg
+    assert gpucx.UCX_VERSION >= MIN_UCX + (0,)
