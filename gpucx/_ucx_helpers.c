@@ -78,11 +78,6 @@ static const unsigned GPUCX_HEADERS_MINOR = UCP_API_MINOR;
 static const unsigned GPUCX_ERRQ_CAPACITY = GPUCX_ERRQ_CAP;
 static const unsigned GPUCX_CONNQ_CAPACITY = GPUCX_CONNQ_CAP;
 
-#if UCP_API_VERSION >= UCP_VERSION(1, 17)
-static const int GPUCX_MEMORY_TYPE_GAUDI = UCS_MEMORY_TYPE_GAUDI;
-#else
-static const int GPUCX_MEMORY_TYPE_GAUDI = -1;
-#endif
 
 /* ---- status names ------------------------------------------------------ */
 

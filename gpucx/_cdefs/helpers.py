@@ -43,7 +43,6 @@ static const unsigned GPUCX_HEADERS_MAJOR;
 static const unsigned GPUCX_HEADERS_MINOR;
 static const unsigned GPUCX_ERRQ_CAPACITY;
 static const unsigned GPUCX_CONNQ_CAPACITY;
-static const int GPUCX_MEMORY_TYPE_GAUDI;
 """
 
 FUNCTIONS = """

@@ -6,29 +6,26 @@ import enum
 
 from .._lib import lib
 
-_names = [
-    "HOST",
-    "CUDA",
-    "CUDA_MANAGED",
-    "ROCM",
-    "ROCM_MANAGED",
-    "RDMA",
-    "ZE_HOST",
-    "ZE_DEVICE",
-    "ZE_MANAGED",
-]
-_members = {name: getattr(lib, f"UCS_MEMORY_TYPE_{name}") for name in _names}
-if lib.GPUCX_MEMORY_TYPE_GAUDI >= 0:
-    _members["GAUDI"] = lib.GPUCX_MEMORY_TYPE_GAUDI
-_members["UNKNOWN"] = lib.UCS_MEMORY_TYPE_UNKNOWN
 
-MemoryType = enum.IntEnum("MemoryType", _members, module=__name__)
-MemoryType.__doc__ = """Kind of memory a buffer lives in (``ucs_memory_type_t``).
+class MemoryType(enum.IntEnum):
+    """Kind of memory a buffer lives in (``ucs_memory_type_t``).
 
-``HOST`` is ordinary system memory, ``CUDA`` NVIDIA device memory,
-``CUDA_MANAGED`` CUDA unified memory, and so on; ``UNKNOWN`` lets UCX detect
-the type itself.
-"""
+    ``HOST`` is ordinary system memory, ``CUDA`` NVIDIA device memory,
+    ``CUDA_MANAGED`` CUDA unified memory, and so on; ``UNKNOWN`` lets UCX
+    detect the type itself.  Values are read from the UCX headers.
+    """
+
+    HOST = lib.UCS_MEMORY_TYPE_HOST
+    CUDA = lib.UCS_MEMORY_TYPE_CUDA
+    CUDA_MANAGED = lib.UCS_MEMORY_TYPE_CUDA_MANAGED
+    ROCM = lib.UCS_MEMORY_TYPE_ROCM
+    ROCM_MANAGED = lib.UCS_MEMORY_TYPE_ROCM_MANAGED
+    RDMA = lib.UCS_MEMORY_TYPE_RDMA
+    ZE_HOST = lib.UCS_MEMORY_TYPE_ZE_HOST
+    ZE_DEVICE = lib.UCS_MEMORY_TYPE_ZE_DEVICE
+    ZE_MANAGED = lib.UCS_MEMORY_TYPE_ZE_MANAGED
+    UNKNOWN = lib.UCS_MEMORY_TYPE_UNKNOWN
+
 
 CUDA_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
 
