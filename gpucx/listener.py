@@ -75,6 +75,17 @@ class Listener(Handle):
             lib.gpucx_worker_sleep(w._h, w._efd, ms)
             w._poll_events()
 
+    def _try_accept(self):
+        """The endpoint of the oldest queued connection request, or None."""
+        from .endpoint import Endpoint
+
+        if self._h is None:
+            raise_closed(self)
+        req = lib.gpucx_listener_pop(self._state)
+        if req == ffi.NULL:
+            return None
+        return Endpoint._accept(self._w, req, f"peer of {self.host}:{self.port}")
+
     def _release(self) -> None:
         lib.gpucx_listener_drain(self._state)
         lib.ucp_listener_destroy(self._h)

@@ -53,6 +53,8 @@ class Worker(Handle):
         self._sweep_at = _SWEEP_MIN
         self._parked: list = []
         self._address: bytes | None = None
+        self._aio = None  # gpucx.aio driver, when an event loop drives us
+        self._on_close: list = []  # callables run first when closing
         context._adopt(self)
 
     def __repr__(self) -> str:
@@ -211,6 +213,11 @@ class Worker(Handle):
 
     def _release(self) -> None:
         h = self._h
+        for hook in self._on_close:
+            hook()
+        if self._aio is not None:
+            self._aio.detach()
+            self._aio = None
         # Cancel what is still outstanding and give UCX a bounded time to
         # report back, so no callback writes into freed slots.
         for req in list(self._pending):

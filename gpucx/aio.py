@@ -1,0 +1,421 @@
+"""asyncio integration: awaitable requests and event-driven progress.
+
+A thin driver over the loop-agnostic core.  One :class:`_Driver` per
+(worker, event loop) watches the worker's event fd (``ucp_worker_get_efd``)
+with ``loop.add_reader``.  On every wake it progresses the worker until idle,
+resolves the futures of finished requests from their C completion records,
+and re-arms (``ucp_worker_arm``); when arming answers BUSY (events arrived
+meanwhile) it progresses again, because the fd is edge-triggered and would
+not fire twice.  An idle worker costs no CPU.
+
+``progress="poll"`` trades CPU for latency: while requests are outstanding
+the driver progresses on every loop iteration (``call_soon``); with nothing
+outstanding it sleeps on the fd like the event mode.
+
+The loop's reader callback holds only a weak reference to the driver, and
+closing (or dropping) a worker removes its reader, so nothing leaks.
+
+Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``).
+:class:`Worker` and the :class:`Endpoint` objects it hands out add
+``a``-prefixed coroutines for each blocking operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from typing import Any
+
+from ._lib import lib
+from .errors import TimeoutError as GpucxTimeoutError
+from .ops.tag import TAG_MASK_FULL
+from .request import INPROGRESS, Request
+
+__all__ = ["Worker", "Endpoint", "ProgressThread", "wait_request"]
+
+_MODES = ("event", "poll")
+#: Progress calls per round, and rounds per wake, before the loop gets a turn.
+_BURST = 64
+_ROUNDS = 8
+
+
+class _Driver:
+    """Progress of one core worker from one asyncio loop."""
+
+    def __init__(self, worker, loop: asyncio.AbstractEventLoop, mode: str):
+        if mode not in _MODES:
+            raise ValueError(f"progress must be one of {_MODES}, not {mode!r}")
+        self._worker = worker
+        self._loop = loop
+        self._mode = mode
+        self._waiters: dict[Request, asyncio.Future] = {}
+        self._accepts: list = []  # (listener, future)
+        self._canceled: set[Request] = set()  # canceled, not yet reported
+        self._scheduled = False
+        self._efd = worker.fileno()
+        ref = weakref.ref(self)
+
+        def on_readable() -> None:
+            driver = ref()
+            if driver is not None:
+                driver._run()
+
+        self._on_readable = on_readable
+        loop.add_reader(self._efd, on_readable)
+        self._attached = True
+
+    def detach(self) -> None:
+        """Remove the reader; fail whatever still waits (worker closing)."""
+        if not self._attached:
+            return
+        self._attached = False
+        try:
+            self._loop.remove_reader(self._efd)
+        except (RuntimeError, ValueError, OSError):  # loop already closed
+            pass
+        from .errors import ClosedError
+
+        for fut in list(self._waiters.values()):
+            if not fut.done():
+                fut.set_exception(ClosedError("worker closed while awaiting"))
+        for _, fut in self._accepts:
+            if not fut.done():
+                fut.set_exception(ClosedError("worker closed while awaiting"))
+        self._waiters.clear()
+        self._accepts.clear()
+
+    # -- the progress engine ------------------------------------------------
+
+    def kick(self) -> None:
+        """Progress soon (after posting, a wake may never come otherwise)."""
+        if not self._scheduled and self._attached:
+            self._scheduled = True
+            self._loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        self._scheduled = False
+        w = self._worker
+        h = w._h
+        if h is None or not self._attached:
+            self.detach()
+            return
+        progress = lib.ucp_worker_progress
+        for _ in range(_ROUNDS):
+            for _ in range(_BURST):
+                if not progress(h):
+                    break
+            w._poll_events()
+            self._settle()
+            if self._mode == "poll" and (self._waiters or self._accepts):
+                # Latency mode: keep progressing while anything is pending.
+                self.kick()
+                return
+            st = lib.ucp_worker_arm(h)
+            if st != lib.UCS_ERR_BUSY:
+                return  # armed (or failed: the next post kicks us again)
+        # Still busy: give the loop a turn, then carry on.
+        self.kick()
+
+    def _settle(self) -> None:
+        if self._canceled:
+            for req in [r for r in self._canceled if r._slot.status != INPROGRESS]:
+                self._canceled.discard(req)
+                req._complete()
+        if self._waiters:
+            done = [r for r in self._waiters if r._slot.status != INPROGRESS]
+            for req in done:
+                fut = self._waiters.pop(req)
+                req._complete()
+                if fut.done():  # the awaiting task was canceled
+                    continue
+                if req._state == 1:
+                    fut.set_result(req._value)
+                else:
+                    fut.set_exception(req._value)
+        if self._accepts:
+            for item in list(self._accepts):
+                listener, fut = item
+                if fut.done():
+                    self._accepts.remove(item)
+                    continue
+                try:
+                    ep = listener._try_accept()
+                except Exception as exc:
+                    self._accepts.remove(item)
+                    fut.set_exception(exc)
+                    continue
+                if ep is not None:
+                    self._accepts.remove(item)
+                    fut.set_result(ep)
+
+    # -- waiting ------------------------------------------------------------
+
+    async def wait(self, req: Request):
+        if req.done():
+            return req.result()
+        fut = self._loop.create_future()
+        self._waiters[req] = fut
+        self.kick()
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancel the UCX operation; the worker stays usable and the
+            # request settles (CanceledError) on a later progress.
+            self._waiters.pop(req, None)
+            if req.cancel():
+                self._canceled.add(req)
+            self.kick()
+            raise
+
+    async def accept(self, listener):
+        ep = listener._try_accept()
+        if ep is not None:
+            return ep
+        fut = self._loop.create_future()
+        self._accepts.append((listener, fut))
+        self.kick()
+        return await fut
+
+
+def _driver(worker, mode: str | None = None) -> _Driver:
+    """The driver of ``worker`` on the running loop (made on first use)."""
+    loop = asyncio.get_running_loop()
+    drv = worker._aio
+    if drv is not None and drv._attached and drv._loop is loop:
+        return drv
+    if drv is not None:
+        drv.detach()
+    drv = _Driver(worker, loop, mode or "event")
+    worker._aio = drv
+    return drv
+
+
+async def wait_request(req: Request):
+    """Await a request from any coroutine (what ``await req`` does)."""
+    if req._state or req._slot.status != INPROGRESS:
+        return req.wait(0)
+    return await _driver(req._worker).wait(req)
+
+
+class Endpoint:
+    """Async face of a :class:`gpucx.Endpoint` (every sync attribute is
+    there too)."""
+
+    __slots__ = ("_ep", "_drv")
+
+    def __init__(self, ep, driver: _Driver):
+        self._ep = ep
+        self._drv = driver
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ep, name)
+
+    def __repr__(self) -> str:
+        return f"<gpucx.aio.Endpoint {self._ep!r}>"
+
+    @property
+    def endpoint(self):
+        """The underlying blocking-API :class:`gpucx.Endpoint`."""
+        return self._ep
+
+    async def asend(self, buf, tag: int = 0, sync: bool = False) -> None:
+        """``ep.send`` as a coroutine."""
+        return await self._drv.wait(self._ep.send_nb(buf, tag, sync))
+
+    async def aflush(self) -> None:
+        """Wait until every operation on this endpoint completed remotely."""
+        from .request import new_slot
+
+        if self._ep._h is None:
+            from ._handle import raise_closed
+
+            raise_closed(self._ep)
+        slot = new_slot()
+        lib.gpucx_ep_flush(self._ep._h, slot)
+        return await self._drv.wait(
+            Request(self._ep._w, slot, None, "endpoint flush", None, self._ep)
+        )
+
+    def close(self, force: bool = False) -> None:
+        self._ep.close(force)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._ep.close()
+
+
+class Worker:
+    """A :class:`gpucx.Worker` driven by the running asyncio loop.
+
+    Parameters
+    ----------
+    context : gpucx.Context
+    thread_mode : str
+        As for :meth:`gpucx.Context.create_worker`.
+    progress : {"event", "poll"}
+        ``"event"`` (default) sleeps on the worker's fd between events;
+        ``"poll"`` progresses on every loop iteration while requests are
+        outstanding (lower latency, one busy core meanwhile).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``progress`` mode.
+    RuntimeError
+        When no event loop is running.
+    """
+
+    def __init__(self, context, thread_mode: str = "single", progress: str = "event"):
+        if progress not in _MODES:
+            raise ValueError(f"progress must be one of {_MODES}, not {progress!r}")
+        self._worker = context.create_worker(thread_mode)
+        self._drv = _driver(self._worker, progress)
+        self._listeners: list = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._worker, name)
+
+    def __repr__(self) -> str:
+        return f"<gpucx.aio.Worker {self._worker!r}>"
+
+    @property
+    def worker(self):
+        """The underlying blocking-API :class:`gpucx.Worker`."""
+        return self._worker
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the worker (its endpoints and listeners first)."""
+        self._drv.detach()
+        self._worker.close()
+
+    # -- connections ----------------------------------------------------------
+
+    def listen(self, port: int = 0, host: str = "0.0.0.0"):
+        """Start listening; :meth:`aaccept` returns the peers."""
+        lst = self._worker.listen(port, host)
+        self._listeners.append(lst)
+        return lst
+
+    async def aaccept(self, listener=None, timeout: float | None = None) -> Endpoint:
+        """Wait for the next peer on ``listener`` (default: the only one).
+
+        Raises
+        ------
+        ValueError
+            If no listener was started, or several and none was named.
+        gpucx.TimeoutError
+            When ``timeout`` passes first.
+        """
+        if listener is None:
+            live = [lst for lst in self._listeners if not lst.closed]
+            if len(live) != 1:
+                raise ValueError(
+                    "call listen() first (or name the listener to accept on)"
+                )
+            listener = live[0]
+        coro = self._drv.accept(listener)
+        try:
+            ep = await asyncio.wait_for(coro, timeout)
+        except asyncio.TimeoutError:
+            raise GpucxTimeoutError(
+                f"no connection on port {listener.port} within {timeout} s",
+                lib.UCS_ERR_TIMED_OUT,
+            ) from None
+        return Endpoint(ep, self._drv)
+
+    async def aconnect(self, address, *, error_handling: bool = True) -> Endpoint:
+        """Connect to a peer (see :meth:`gpucx.Worker.connect`).
+
+        For a ``(host, port)`` address the coroutine waits until the
+        connection is established, so an unreachable peer raises
+        :class:`~gpucx.PeerError` here.
+        """
+        ep = Endpoint(
+            self._worker.connect(address, error_handling=error_handling), self._drv
+        )
+        if isinstance(address, tuple):
+            try:
+                await ep.aflush()
+            except BaseException:
+                ep.close(force=True)
+                raise
+        return ep
+
+    # -- tag matching ---------------------------------------------------------
+
+    async def arecv(self, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL):
+        """``worker.recv`` as a coroutine; returns :class:`gpucx.RecvInfo`."""
+        return await self._drv.wait(self._worker.recv_nb(buf, tag, tag_mask))
+
+    async def aflush(self) -> None:
+        """Wait until every operation of this worker completed remotely."""
+        from .request import new_slot
+
+        slot = new_slot()
+        lib.gpucx_worker_flush(self._worker._h, slot)
+        return await self._drv.wait(
+            Request(self._worker, slot, None, "worker flush", None)
+        )
+
+
+class ProgressThread:
+    """Progress a worker from a background thread, for blocking-API users
+    who want completions without calling ``progress()``.
+
+    The worker must have ``thread_mode="multi"``: the thread and the
+    application then call into UCX concurrently, and UCX's own lock keeps
+    that safe (gpucx adds no lock of its own).  The thread sleeps on the
+    worker's event fd when idle.
+
+    Raises
+    ------
+    ValueError
+        If the worker is not in ``"multi"`` thread mode.
+    """
+
+    def __init__(self, worker):
+        if worker.thread_mode != "multi":
+            raise ValueError(
+                'a progress thread needs a worker created with thread_mode="multi"'
+            )
+        self._worker = worker
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._loop, name="gpucx-progress", daemon=True
+        )
+        # The worker stops the thread before it destroys the UCX worker.
+        worker._on_close.append(self.stop)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        w = self._worker
+        while not self._stop.is_set():
+            h = w._h
+            if h is None:
+                return
+            lib.gpucx_worker_sleep(h, w._efd, 50)
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the thread and wait for it (wakes it through the fd)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._worker._h is not None:
+            lib.ucp_worker_signal(self._worker._h)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

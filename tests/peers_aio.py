@@ -1,0 +1,41 @@
+"""Peer programs for the asyncio tests (run in spawned processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+
+import gpucx
+import gpucx.aio
+
+
+def aio_echo_server(ch, n):
+    async def main():
+        with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                w.listen(host="127.0.0.1")
+                ch.put(w._listeners[0].port)
+                ep = await w.aaccept(timeout=30)
+                for i in range(n):
+                    buf = np.empty(1024, np.int64)
+                    await w.arecv(buf, tag=i)
+                    await ep.asend(buf * 2, tag=i)
+                ch.get()
+
+    asyncio.run(main())
+
+
+def aio_die_after_connect(ch):
+    async def main():
+        ctx = gpucx.Context(config={"TLS": "tcp"})
+        w = gpucx.aio.Worker(ctx)
+        w.listen(host="127.0.0.1")
+        ch.put(w._listeners[0].port)
+        await w.aaccept(timeout=30)
+        ch.get()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())

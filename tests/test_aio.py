@@ -1,0 +1,230 @@
+"""asyncio integration: event-driven progress, awaitable requests."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import time
+
+import numpy as np
+import pytest
+
+import gpucx
+import gpucx.aio
+
+from conftest import channel_pair, join_ok, spawn
+from peers_aio import aio_die_after_connect, aio_echo_server
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.mark.parametrize("mode", ["event", "poll"])
+def test_two_aio_workers_on_one_loop(tls, ctx, mode):
+    async def main():
+        async with (
+            gpucx.aio.Worker(ctx, progress=mode) as a,
+            gpucx.aio.Worker(ctx, progress=mode) as b,
+        ):
+            ep = await a.aconnect(b.address)
+            for n in (0, 8, 100_000, 4 << 20):
+                src = np.arange(n, dtype=np.uint8)
+                out = np.zeros(n, np.uint8)
+                recv = asyncio.ensure_future(b.arecv(out, tag=n))
+                await ep.asend(src, tag=n)
+                assert await recv == (n, n)
+                assert np.array_equal(out, src)
+
+    run(main())
+
+
+def test_thousand_concurrent_awaits(ctx):
+    async def main():
+        async with gpucx.aio.Worker(ctx) as a, gpucx.aio.Worker(ctx) as b:
+            ep = await a.aconnect(b.address)
+            outs = np.zeros((1000, 2), np.int64)
+            recvs = [
+                asyncio.ensure_future(b.arecv(outs[i], tag=i)) for i in range(1000)
+            ]
+            sends = [ep.asend(np.array([i, -i], np.int64), tag=i) for i in range(1000)]
+            await asyncio.gather(*sends)
+            infos = await asyncio.gather(*recvs)
+            assert [i.tag for i in infos] == list(range(1000))
+            assert np.array_equal(outs[:, 0], np.arange(1000))
+
+    run(main())
+
+
+def test_bare_request_is_awaitable(ctx):
+    async def main():
+        a, b = ctx.create_worker(), ctx.create_worker()
+        ep = a.connect(b.address)
+        out = bytearray(5)
+        req = b.recv_nb(out, tag=3)
+        ep.send_nb(b"await", tag=3)
+        assert await req == (3, 5)
+        assert out == b"await"
+
+    run(main())
+
+
+def test_cancel_pending_receive_leaves_worker_usable(ctx):
+    async def main():
+        async with gpucx.aio.Worker(ctx) as a, gpucx.aio.Worker(ctx) as b:
+            ep = await a.aconnect(b.address)
+            task = asyncio.ensure_future(b.arecv(bytearray(8), tag=99))
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            out = bytearray(2)
+            recv = asyncio.ensure_future(b.arecv(out, tag=99))
+            await ep.asend(b"ok", tag=99)
+            assert await recv == (99, 2) and out == b"ok"
+            # The canceled receive settled (as canceled) and is not tracked.
+            assert not b.worker._pending
+
+    run(main())
+
+
+def test_wait_for_timeout(ctx):
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(w.arecv(bytearray(4), tag=5), 0.1)
+            lst = w.listen(host="127.0.0.1")
+            with pytest.raises(gpucx.TimeoutError):
+                await w.aaccept(lst, timeout=0.1)
+
+    run(main())
+
+
+def test_aaccept_needs_a_listener(ctx):
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            with pytest.raises(ValueError, match="listen"):
+                await w.aaccept()
+
+    run(main())
+
+
+def test_aconnect_to_nobody_raises_peer_error(ctx):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            with pytest.raises(gpucx.PeerError):
+                await w.aconnect(("127.0.0.1", port))
+
+    run(main())
+
+
+def test_bad_progress_mode(ctx):
+    with pytest.raises(ValueError, match="progress"):
+        gpucx.aio.Worker(ctx, progress="turbo")
+
+
+def test_idle_worker_uses_no_cpu(ctx):
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            pending = asyncio.ensure_future(w.arecv(bytearray(8), tag=1))
+            await asyncio.sleep(0.1)
+            t0 = time.monotonic()
+            c0 = resource.getrusage(resource.RUSAGE_SELF)
+            await asyncio.sleep(2.0)
+            c1 = resource.getrusage(resource.RUSAGE_SELF)
+            wall = time.monotonic() - t0
+            cpu = (c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime)
+            pending.cancel()
+            return cpu / wall
+
+    assert run(main()) < 0.2
+
+
+def test_closing_worker_removes_reader_and_fails_waiters(ctx):
+    async def main():
+        w = gpucx.aio.Worker(ctx)
+        fd = w.fileno()
+        loop = asyncio.get_running_loop()
+        task = asyncio.ensure_future(w.arecv(bytearray(8), tag=1))
+        await asyncio.sleep(0.01)
+        w.close()
+        with pytest.raises(gpucx.ClosedError):
+            await task
+        assert not loop.remove_reader(fd)  # nothing was registered any more
+
+    run(main())
+
+
+def test_progress_thread_completes_requests_without_progress_calls():
+    with gpucx.Context() as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ep = a.connect(b.address)
+        with gpucx.aio.ProgressThread(a), gpucx.aio.ProgressThread(b):
+            out = np.zeros(1 << 20, np.uint8)
+            req = b.recv_nb(out, tag=1)
+            snd = ep.send_nb(np.ones(1 << 20, np.uint8), tag=1)  # rendezvous
+            end = time.monotonic() + 10
+            while req._slot.status == 1 and time.monotonic() < end:
+                time.sleep(0.001)  # no progress() call from this thread
+            assert req._slot.status == 0
+            assert req.wait(5) == (1, 1 << 20)
+            snd.wait(5)
+            assert out.all()
+
+
+def test_progress_thread_needs_multi_mode(ctx):
+    with pytest.raises(ValueError, match="multi"):
+        gpucx.aio.ProgressThread(ctx.create_worker())
+
+
+def test_aio_across_processes():
+    ch, theirs = channel_pair()
+    n = 50
+    child = spawn(aio_echo_server, theirs, n)
+
+    async def main():
+        with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                ep = await w.aconnect(("127.0.0.1", ch.get(60)))
+                for i in range(n):
+                    src = np.arange(1024, dtype=np.int64) + i
+                    out = np.empty_like(src)
+                    recv = asyncio.ensure_future(w.arecv(out, tag=i))
+                    await ep.asend(src, tag=i)
+                    await recv
+                    assert np.array_equal(out, src * 2)
+                ch.put("bye")
+
+    run(main())
+    join_ok(child, 60)
+
+
+def test_peer_death_fails_awaiting_tasks():
+    ch, theirs = channel_pair()
+    child = spawn(aio_die_after_connect, theirs)
+
+    async def main():
+        with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                ep = await w.aconnect(("127.0.0.1", ch.get(60)))
+                big = [ep.asend(np.ones(8 << 20, np.uint8), tag=i) for i in range(4)]
+                tasks = [asyncio.ensure_future(t) for t in big]
+                await asyncio.sleep(0.05)
+                ch.put("die")
+                results = await asyncio.wait_for(
+                    asyncio.gather(*tasks, return_exceptions=True), 20
+                )
+                assert all(isinstance(r, gpucx.PeerError) for r in results), results
+
+    run(main())
+    child.join(30)
+    assert child.exitcode is not None and child.exitcode < 0
