@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
@@ -69,7 +70,17 @@ _HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 class _AmWorker:
     """Per-worker AM bookkeeping (``Worker._am``)."""
 
-    __slots__ = ("state", "regs", "handlers", "live", "busy", "max_header", "arrays")
+    __slots__ = (
+        "state",
+        "regs",
+        "handlers",
+        "live",
+        "busy",
+        "max_header",
+        "arrays",
+        "msgs",
+        "enabled",
+    )
 
     def __init__(self, worker):
         self.state = ffi.new("gpucx_am_state_t *")
@@ -80,6 +91,8 @@ class _AmWorker:
         self.busy = False
         self.max_header: int | None = None
         self.arrays: dict = {}  # reply-ep address -> deque of array messages
+        self.msgs: weakref.WeakSet = weakref.WeakSet()  # popped, still alive
+        self.enabled = "am" in worker._context.features
 
 
 def attach(worker) -> None:
@@ -93,7 +106,7 @@ def attach(worker) -> None:
     worker._amq = am.state
     from .arrays import _on_array
 
-    if _register(am, ARRAY_AM_ID) == lib.UCS_OK:
+    if am.enabled and _register(am, ARRAY_AM_ID) == lib.UCS_OK:
         am.handlers[ARRAY_AM_ID] = _on_array
 
 
@@ -101,6 +114,10 @@ def detach(worker) -> None:
     """Release every queued message (before ``ucp_worker_destroy``)."""
     am = worker._am
     lib.gpucx_am_drain(am.state)
+    # Messages Python still holds give their UCX buffers back now (UCX frees
+    # its pools with the worker); views of their data must not be used after.
+    for msg in list(am.msgs):
+        lib.gpucx_am_release(worker._h, msg._rec)
     am.arrays.clear()
     am.live[0] = None
     am.handlers.clear()
@@ -144,6 +161,7 @@ def dispatch(worker) -> None:
             if not lib.gpucx_am_pop(st, rec):
                 break
             msg = AmMessage(worker, rec, am.live)
+            am.msgs.add(msg)
             handler = handlers.get(msg.am_id)
             if handler is None:
                 warnings.warn(
@@ -299,6 +317,7 @@ class AmMessage:
                 "host memory (send with proto='rndv' for device buffers)"
             )
         ffi.memmove(ptr, self._desc, self.nbytes)
+        self._drop()
         slot.status = lib.UCS_OK
         slot.length = self.nbytes
         return Request(w, slot, None, _RECV, _nbytes, None, n)
@@ -347,28 +366,32 @@ def set_am_handler(worker, am_id: int, handler) -> None:
     if handler is not None and not callable(handler):
         raise TypeError(f"handler must be callable or None, not {handler!r}")
     am = worker._am
+    if not am.enabled:
+        _no_am()
     if handler is None:
         # The C callback stays installed: messages already on their way are
         # dropped with a warning at dispatch rather than silently by UCX.
         am.handlers.pop(am_id, None)
         return
-    st = _register(am, am_id)
-    if st == lib.UCS_ERR_UNSUPPORTED or st == lib.UCS_ERR_INVALID_PARAM:
-        raise UnsupportedError(
-            "set_am_handler: this worker cannot receive active messages (create "
-            'the Context with the "am" feature)',
-            st,
-        )
-    check(st, "ucp_worker_set_am_recv_handler")
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
     am.handlers[am_id] = handler
 
 
+def _no_am():
+    raise UnsupportedError(
+        "active messages need a Context created with the \"am\" feature "
+        "(features=None enables every feature)"
+    )
+
+
 def _header(ep, header):
+    am = ep._w._am
+    if not am.enabled:
+        _no_am()
     if not header:
         return ffi.NULL, 0
     h = ffi.from_buffer(header)
     n = len(h)
-    am = ep._w._am
     if am.max_header is None:
         am.max_header = lib.gpucx_am_max_header(ep._w._h)
     if n > am.max_header:
