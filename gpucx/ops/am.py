@@ -379,7 +379,7 @@ def set_am_handler(worker, am_id: int, handler) -> None:
 
 def _no_am():
     raise UnsupportedError(
-        "active messages need a Context created with the \"am\" feature "
+        'active messages need a Context created with the "am" feature '
         "(features=None enables every feature)"
     )
 
