@@ -354,3 +354,54 @@ def test_reserved_range():
     assert range(0xFF00, 0x10000) == _am.RESERVED_AM_IDS
     assert _am.ARRAY_AM_ID in _am.RESERVED_AM_IDS
     assert _am.MAX_USER_AM_ID == 0xFEFF
+
+
+# -- two processes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via_listener", [False, True], ids=["address", "listener"])
+def test_am_echo_across_processes(tls, via_listener):
+    from peers_am import BACK, ECHO, am_echo_peer
+
+    from conftest import channel_pair, join_ok, spawn, transport_config
+
+    if tls == "default" and via_listener:
+        pytest.skip("listener over default transports is covered by tcp/shm")
+    q, theirs = channel_pair()
+    child = spawn(am_echo_peer, tls, theirs, via_listener)
+    try:
+        with gpucx.Context(config=transport_config(tls, via_listener)) as ctx:
+            w = ctx.create_worker()
+            kind, where = q.get(60)
+            if via_listener:
+                ep = w.connect(("127.0.0.1", where))
+            else:
+                ep = w.connect(where)
+                q.put(w.address)
+            back = []
+            w.set_am_handler(BACK, back.append)
+            cases = [(0, None), (8, "eager"), (100_000, None), (4 << 20, "rndv")]
+            for i, (n, proto) in enumerate(cases):
+                src = np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)
+                ep.am_send(ECHO, src, header=b"case%d" % i, reply=True, proto=proto)
+                end = time.monotonic() + 60
+                while not back:
+                    w.progress()
+                    assert time.monotonic() < end, f"no echo for case {i}"
+                msg = back.pop()
+                assert msg.header == b"case%d" % i and msg.nbytes == n
+                if proto == "rndv":
+                    assert msg.is_rndv
+                out = np.zeros(n, np.uint8)
+                msg.receive_into(out).wait(60)
+                assert np.array_equal(out, src)
+            q.put(("bye", None))
+            _, transports = q.get(60)
+            names = {t for t, _ in transports} | {t for t, _ in ep.transports}
+            if tls == "tcp":
+                assert names <= {"tcp"}, names
+            if tls == "shm":
+                assert names & {"posix", "sysv"}, names
+            q.put("ok")
+    finally:
+        join_ok(child, 60)

@@ -235,3 +235,30 @@ def test_closed(pair):
         pair.ab.send_array(np.zeros(2))
     with pytest.raises(gpucx.ClosedError):
         pair.ab.recv_array(timeout=1)
+
+
+@pytest.mark.parametrize("tls_name", ["tcp", "shm"])
+def test_arrays_across_processes(tls_name):
+    from peers_am import am_echo_peer
+
+    from conftest import channel_pair, join_ok, spawn, transport_config
+
+    arrays = [sample(dt, (3, 2), i) for i, dt in enumerate(DTYPES)]
+    arrays += [sample("float16", ()), np.zeros((0, 4), np.complex64)]
+    arrays += [np.arange(16 << 20, dtype=np.int32)]  # 64 MiB, rendezvous
+    q, theirs = channel_pair()
+    child = spawn(am_echo_peer, tls_name, theirs, True)
+    try:
+        with gpucx.Context(config=transport_config(tls_name, True)) as ctx:
+            w = ctx.create_worker()
+            _, port = q.get(60)
+            ep = w.connect(("127.0.0.1", port))
+            q.put(("arrays", len(arrays)))
+            for arr in arrays:
+                ep.send_array(arr)
+                check(ep.recv_array(timeout=60), arr)
+            q.put(("bye", None))
+            q.get(60)
+            q.put("ok")
+    finally:
+        join_ok(child, 90)

@@ -106,3 +106,37 @@ def test_closed(pair):
     for call in (pair.ab.stream_recv, pair.ab.stream_recv_nb):
         with pytest.raises(gpucx.ClosedError):
             call(bytearray(1))
+
+
+@pytest.mark.parametrize("tls_name", ["tcp", "shm"])
+def test_stream_across_processes(tls_name):
+    from peers_am import am_echo_peer
+
+    from conftest import channel_pair, join_ok, spawn, transport_config
+
+    q, theirs = channel_pair()
+    child = spawn(am_echo_peer, tls_name, theirs, False)
+    try:
+        with gpucx.Context(config=transport_config(tls_name)) as ctx:
+            w = ctx.create_worker()
+            _, where = q.get(60)
+            ep = w.connect(where)
+            q.put(w.address)
+            total = 5 << 20
+            src = np.random.default_rng(5).integers(0, 255, total, dtype=np.uint8)
+            q.put(("stream", total))
+            for i, step in enumerate([1, 1000, 65536, 1 << 20]):
+                start = sum([1, 1000, 65536, 1 << 20][:i])
+                ep.stream_send(src[start : start + step])
+            ep.stream_send(src[start + step :])
+            out = np.zeros(total, np.uint8)
+            got = 0
+            for chunk in (3, 1 << 20, 12345):
+                got += ep.stream_recv(out[got : got + chunk], timeout=60)
+            got += ep.stream_recv(out[got:], timeout=60)
+            assert got == total and np.array_equal(out, src)
+            q.put(("bye", None))
+            q.get(60)
+            q.put("ok")
+    finally:
+        join_ok(child, 60)
