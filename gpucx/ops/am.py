@@ -213,6 +213,7 @@ class AmMessage:
         "_worker",
         "_rec",
         "_desc",
+        "_live",
         "_taken",
         "__weakref__",
     )
@@ -227,10 +228,15 @@ class AmMessage:
         self._reply_ep = None
         self._worker = worker
         self._rec = rec
-        self._desc = ffi.gc(
-            ffi.cast("char *", rec.data), functools.partial(_release, live, rec)
-        )
+        # The data is released when the message is collected (__del__), or,
+        # once .data made a view, when the last view is (ffi.gc).
+        self._desc = None
+        self._live = live
         self._taken = False
+
+    def __del__(self) -> None:
+        if self._desc is None and lib is not None:
+            _release(self._live, self._rec, None)
 
     def __repr__(self) -> str:
         proto = "rndv" if self.is_rndv else "eager"
@@ -261,7 +267,13 @@ class AmMessage:
             )
         if self._taken:
             raise ValueError("the payload of this message was already received")
-        return memoryview(ffi.buffer(self._desc, self.nbytes)).toreadonly()
+        desc = self._desc
+        if desc is None:
+            desc = self._desc = ffi.gc(
+                ffi.cast("char *", self._rec.data),
+                functools.partial(_release, self._live, self._rec),
+            )
+        return memoryview(ffi.buffer(desc, self.nbytes)).toreadonly()
 
     def receive_into(self, buf) -> Request:
         """Receive the payload into ``buf``.
@@ -316,15 +328,19 @@ class AmMessage:
                 "receive_into: an eager active message can only be copied into "
                 "host memory (send with proto='rndv' for device buffers)"
             )
-        ffi.memmove(ptr, self._desc, self.nbytes)
+        ffi.memmove(ptr, self._rec.data, self.nbytes)
         self._drop()
         slot.status = lib.UCS_OK
         slot.length = self.nbytes
         return Request(w, slot, None, _RECV, _nbytes, None, n)
 
     def _drop(self) -> None:
+        """Give the data back now (views made by .data keep it until they go)."""
         self._taken = True
-        self._desc = None
+        if self._desc is None:
+            _release(self._live, self._rec, None)
+        else:
+            self._desc = None
 
 
 def _nbytes(req) -> int:
@@ -481,8 +497,10 @@ def am_send_nb(
     h = ep._h
     if h is None:
         raise_closed(ep)
-    _check_id(am_id)
-    return _send_nb(ep, am_id, buf, header, _flags(reply, proto))
+    if type(am_id) is not int or not 0 <= am_id <= MAX_USER_AM_ID:
+        _check_id(am_id)
+    flags = (_REPLY if reply else 0) if proto is None else _flags(reply, proto)
+    return _send_nb(ep, am_id, buf, header, flags)
 
 
 def _send_nb(ep, am_id, buf, header, flags) -> Request:
