@@ -140,3 +140,17 @@ def test_stream_across_processes(tls_name):
             q.put("ok")
     finally:
         join_ok(child, 60)
+
+
+def test_context_without_stream_feature():
+    with gpucx.Context(features={"tag"}) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(w.address)
+        with pytest.raises(gpucx.UnsupportedError, match="stream"):
+            ep.stream_send(b"x")
+        with pytest.raises(gpucx.UnsupportedError, match="stream"):
+            ep.stream_send_nb(b"x")
+        with pytest.raises(gpucx.UnsupportedError, match="stream"):
+            ep.stream_recv(bytearray(1), timeout=1)
+        with pytest.raises(gpucx.UnsupportedError, match="stream"):
+            ep.stream_recv_nb(bytearray(1))

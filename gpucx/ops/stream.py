@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import lib
+from ..errors import UnsupportedError
 from ..mem.buffer import acquire
 from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
 
@@ -22,6 +23,15 @@ def _sync_slot(w):
     return new_slot() if w._multi else w._sslot
 
 
+def _no_stream(ep):
+    # UCX crashes on stream calls of a context made without the feature.
+    if "stream" not in ep._w._context.features:
+        raise UnsupportedError(
+            'the stream API needs a Context created with the "stream" feature '
+            "(features=None enables every feature)"
+        )
+
+
 def stream_send(ep, buf) -> None:
     """Append ``buf`` to the endpoint's stream; return once it is reusable.
 
@@ -33,10 +43,14 @@ def stream_send(ep, buf) -> None:
         If the endpoint is closed.
     BufferError
         For memory gpucx cannot send (non-contiguous...).
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
     """
     h = ep._h
     if h is None:
         raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
     w = ep._w
     ptr, n, mt, keep = acquire(buf, False)
     slot = _sync_slot(w)
@@ -66,6 +80,8 @@ def stream_send_nb(ep, buf) -> Request:
     h = ep._h
     if h is None:
         raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
     ptr, n, mt, keep = acquire(buf, False)
     slot = new_slot()
     lib.gpucx_stream_send(h, ptr, n, mt, slot)
@@ -90,10 +106,14 @@ def stream_recv(ep, buf, timeout: float | None = None) -> int:
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
         If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
     """
     h = ep._h
     if h is None:
         raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
     w = ep._w
     ptr, n, mt, keep = acquire(buf, True)
     slot = _sync_slot(w)
@@ -123,10 +143,14 @@ def stream_recv_nb(ep, buf) -> Request:
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
         If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
     """
     h = ep._h
     if h is None:
         raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
     ptr, n, mt, keep = acquire(buf, True)
     slot = new_slot()
     lib.gpucx_stream_recv(h, ptr, n, mt, slot)
