@@ -348,6 +348,8 @@ def test_context_without_am_feature():
             ep.am_send_nb(1, b"x")
         with pytest.raises(gpucx.UnsupportedError, match="am"):
             ep.send_array(np.zeros(3))
+        with pytest.raises(gpucx.UnsupportedError, match="am"):
+            ep.recv_array(timeout=1)
 
 
 def test_reserved_range():

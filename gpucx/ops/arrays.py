@@ -245,12 +245,16 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
         A malformed array header (the message is dropped).
     gpucx.ClosedError
         If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
     Exception
         Whatever an AM handler dispatched while waiting raised.
     """
     if ep._h is None:
         raise_closed(ep)
     w = ep._w
+    if not w._am.enabled:
+        _am._no_am()
     q = w._am.arrays
     key = int(ffi.cast("uintptr_t", ep._h))
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -25,11 +25,10 @@ def _sync_slot(w):
 
 def _no_stream(ep):
     # UCX crashes on stream calls of a context made without the feature.
-    if "stream" not in ep._w._context.features:
-        raise UnsupportedError(
-            'the stream API needs a Context created with the "stream" feature '
-            "(features=None enables every feature)"
-        )
+    raise UnsupportedError(
+        'the stream API needs a Context created with the "stream" feature '
+        "(features=None enables every feature)"
+    )
 
 
 def stream_send(ep, buf) -> None:
@@ -76,6 +75,8 @@ def stream_send_nb(ep, buf) -> Request:
         If the endpoint is closed.
     BufferError
         For memory gpucx cannot send.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
     """
     h = ep._h
     if h is None:
