@@ -407,3 +407,37 @@ def test_am_echo_across_processes(tls, via_listener):
             q.put("ok")
     finally:
         join_ok(child, 60)
+
+
+def test_multi_thread_worker_delivers_each_message_once():
+    """A "multi" worker progressed by two threads at once: the C queue is
+    locked, so each message reaches the handler exactly once."""
+    import threading
+
+    with gpucx.Context() as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ab = a.connect(b.address)
+        got = []
+        b.set_am_handler(1, lambda m: got.append(int.from_bytes(m.data, "little")))
+        n = 500
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                b.progress()
+
+        threads = [threading.Thread(target=spin) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            reqs = [ab.am_send_nb(1, i.to_bytes(4, "little")) for i in range(n)]
+            end = time.monotonic() + 30
+            while len(got) < n or not all(r.done() for r in reqs):
+                a.progress()
+                assert time.monotonic() < end
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        assert sorted(got) == list(range(n))

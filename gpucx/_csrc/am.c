@@ -11,6 +11,8 @@
  * (ucp_am_data_release) or hands it to ucp_am_recv_data_nbx.
  */
 
+#include <pthread.h>
+
 #define GPUCX_AMQ_MIN 64
 
 typedef struct gpucx_am_msg {
@@ -31,6 +33,9 @@ typedef struct gpucx_am_state {
     unsigned        cap;
     unsigned        dropped; /* messages lost for lack of memory */
     gpucx_am_msg_t *q;
+    /* Push (inside progress) and pop (Python) may run in different threads
+     * of a "multi" worker; uncontended, the lock costs a few ns. */
+    pthread_mutex_t lock;
 } gpucx_am_state_t;
 
 /* One per registered AM id: the callback does not get the id from UCX. */
@@ -90,11 +95,13 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
          * UCP_AM_FLAG_PERSISTENT_DATA, kept for safety). */
         copy = malloc(length);
     }
+    pthread_mutex_lock(&st->lock);
     if ((header_length != 0 && hdr == NULL) ||
         (!keep && length != 0 && copy == NULL) || !gpucx__amq_reserve(st)) {
+        st->dropped++;
+        pthread_mutex_unlock(&st->lock);
         free(hdr);
         free(copy);
-        st->dropped++;
         /* Rendezvous: fail the sender; eager: UCX frees the data. */
         return (attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_NO_MEMORY : UCS_OK;
     }
@@ -114,6 +121,7 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
                                                                 : NULL;
     m->header        = hdr;
     m->header_length = header_length;
+    pthread_mutex_unlock(&st->lock);
     return keep ? UCS_INPROGRESS : UCS_OK;
 }
 
@@ -136,14 +144,25 @@ static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
  * data); returns 0 when the queue is empty. */
 static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
 {
-    if (st->head == st->tail) {
-        return 0;
+    int found = 0;
+
+    pthread_mutex_lock(&st->lock);
+    if (st->head != st->tail) {
+        *out = st->q[st->head++];
+        if (st->head == st->tail) {
+            st->head = st->tail = 0;
+        }
+        found = 1;
     }
-    *out = st->q[st->head++];
-    if (st->head == st->tail) {
-        st->head = st->tail = 0;
-    }
-    return 1;
+    pthread_mutex_unlock(&st->lock);
+    return found;
+}
+
+static void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker)
+{
+    memset(st, 0, sizeof(*st));
+    st->worker = worker;
+    pthread_mutex_init(&st->lock, NULL);
 }
 
 /* Release the data of a popped message exactly once (eager data or an
@@ -174,6 +193,7 @@ static void gpucx_am_drain(gpucx_am_state_t *st)
     free(st->q);
     st->q   = NULL;
     st->cap = 0;
+    /* The lock stays valid (never destroyed): it lives as long as st. */
 }
 
 static size_t gpucx_am_max_header(ucp_worker_h worker)

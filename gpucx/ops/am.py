@@ -84,7 +84,7 @@ class _AmWorker:
 
     def __init__(self, worker):
         self.state = ffi.new("gpucx_am_state_t *")
-        self.state.worker = worker._h
+        lib.gpucx_am_init(self.state, worker._h)
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
         self.handlers: dict = {}  # am_id -> callable
         self.live = [worker._h]  # set to None when the worker is destroyed
