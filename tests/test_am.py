@@ -441,3 +441,16 @@ def test_multi_thread_worker_delivers_each_message_once():
             for t in threads:
                 t.join(10)
         assert sorted(got) == list(range(n))
+
+
+def test_internal_handlers_on_reserved_ids(pair):
+    got = []
+    _am.set_internal_handler(pair.b, 0xFF00, got.append)
+    pair.drive(_am.send_internal_nb(pair.ab, 0xFF00, b"note", header=b"n"))
+    pump(pair, lambda: got)
+    assert got[0].am_id == 0xFF00 and bytes(got[0].data) == b"note"
+    for bad in (5, _am.ARRAY_AM_ID):
+        with pytest.raises(ValueError, match="reserved"):
+            _am.set_internal_handler(pair.b, bad, print)
+    with pytest.raises(ValueError, match="reserved"):
+        _am.send_internal_nb(pair.ab, 5, b"x")

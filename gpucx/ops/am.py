@@ -400,6 +400,47 @@ def _no_am():
     )
 
 
+def set_internal_handler(worker, am_id: int, handler) -> None:
+    """Install a gpucx-internal handler on a reserved id (0xFF00..0xFFFF).
+
+    For other gpucx modules (put-with-notify...): same queue, same dispatch
+    and the same exception rules as user handlers.  ``send_array`` owns
+    :data:`ARRAY_AM_ID`.
+
+    Raises
+    ------
+    ValueError
+        For an id outside the reserved range, or :data:`ARRAY_AM_ID`.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    """
+    if am_id not in RESERVED_AM_IDS or am_id == ARRAY_AM_ID:
+        raise ValueError(f"{am_id!r} is not a free reserved gpucx AM id")
+    am = worker._am
+    if not am.enabled:
+        _no_am()
+    if handler is None:
+        am.handlers.pop(am_id, None)
+        return
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    am.handlers[am_id] = handler
+
+
+def send_internal_nb(ep, am_id: int, buf, header=b"", *, reply=False) -> Request:
+    """:func:`am_send_nb` for a reserved id (gpucx modules only).
+
+    Raises
+    ------
+    ValueError
+        For an id outside the reserved range.
+    """
+    if ep._h is None:
+        raise_closed(ep)
+    if am_id not in RESERVED_AM_IDS:
+        raise ValueError(f"{am_id!r} is not a reserved gpucx AM id")
+    return _send_nb(ep, am_id, buf, header, _REPLY if reply else 0)
+
+
 def _header(ep, header):
     am = ep._w._am
     if not am.enabled:
