@@ -20,6 +20,7 @@ from .errors import (
 )
 from .listener import Listener
 from .mem.memtype import MemoryType
+from .ops.am import AmMessage
 from .ops.tag import TAG_MASK_FULL, ProbedMessage
 from .request import RecvInfo, Request
 from .worker import Worker
@@ -34,6 +35,7 @@ __all__ = [
     "Request",
     "RecvInfo",
     "ProbedMessage",
+    "AmMessage",
     "MemoryType",
     "TAG_MASK_FULL",
     "UCXError",

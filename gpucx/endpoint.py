@@ -7,6 +7,9 @@ import time
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, error_for, status_name
+from .ops import am as _am
+from .ops import arrays as _arrays
+from .ops import stream as _stream
 from .ops import tag as _tag
 from .request import INPROGRESS, block, new_slot, raise_status
 
@@ -22,6 +25,8 @@ class Endpoint(Handle):
     Made by :meth:`Worker.connect` or :meth:`Listener.accept`.  Sends go
     through the endpoint; tag receives are worker-wide.
     """
+
+    _borrowed = False
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -76,6 +81,17 @@ class Endpoint(Handle):
             "ucp_ep_create(conn_request)",
         )
         return cls(worker, state, peer)
+
+    @classmethod
+    def _borrow(cls, worker, h):
+        """Wrap an endpoint UCX created itself (an active message's reply
+        endpoint).  gpucx does not own it: close() only forgets it."""
+        state = ffi.new("gpucx_ep_state_t *")
+        state.ep = h
+        state.error = lib.UCS_OK
+        ep = cls(worker, state, "reply endpoint")
+        ep._borrowed = True
+        return ep
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else self.peer
@@ -134,6 +150,18 @@ class Endpoint(Handle):
     send = _tag.send
     send_nb = _tag.send_nb
 
+    # -- stream, active messages, arrays (gpucx.ops.stream/am/arrays) -------
+
+    stream_send = _stream.stream_send
+    stream_send_nb = _stream.stream_send_nb
+    stream_recv = _stream.stream_recv
+    stream_recv_nb = _stream.stream_recv_nb
+    am_send = _am.am_send
+    am_send_nb = _am.am_send_nb
+    send_array = _arrays.send_array
+    send_array_nb = _arrays.send_array_nb
+    recv_array = _arrays.recv_array
+
     # -- lifetime -------------------------------------------------------------
 
     def close(self, force: bool = False) -> None:
@@ -150,6 +178,8 @@ class Endpoint(Handle):
     def _release(self) -> None:
         w = self._w
         if w._h is None:  # pragma: no cover - worker closes its children first
+            return
+        if self._borrowed:  # UCX owns it (an AM reply endpoint)
             return
         force = getattr(self, "_force", False) or self._state.error != lib.UCS_OK
         slot = new_slot()

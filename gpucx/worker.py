@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
+from .ops import am as _am
 from .ops import tag as _tag
 from .request import _DRAIN_S, INPROGRESS, block, new_slot, raise_status
 
@@ -55,6 +57,8 @@ class Worker(Handle):
         self._address: bytes | None = None
         self._aio = None  # gpucx.aio driver, when an event loop drives us
         self._on_close: list = []  # callables run first when closing
+        self._reply_eps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        _am.attach(self)  # sets self._am and self._amq (the C AM queue)
         context._adopt(self)
 
     def __repr__(self) -> str:
@@ -74,10 +78,15 @@ class Worker(Handle):
         h = self._h
         if h is None:
             raise_closed(self)
-        return lib.ucp_worker_progress(h)
+        n = lib.ucp_worker_progress(h)
+        if self._amq.tail:  # active messages queued: run their handlers
+            _am.dispatch(self)
+        return n
 
     def _poll_events(self) -> None:
-        """Hook run between wait slices (active messages plug in here)."""
+        """Hook run between wait slices: dispatches queued active messages."""
+        if self._amq.tail:
+            _am.dispatch(self)
 
     def fileno(self) -> int:
         """The worker's event fd (``ucp_worker_get_efd``), for event loops."""
@@ -195,6 +204,28 @@ class Worker(Handle):
     recv_nb = _tag.recv_nb
     probe = _tag.probe
 
+    # -- active messages (facades over gpucx.ops.am) ---------------------------
+
+    set_am_handler = _am.set_am_handler
+
+    def _endpoint_for(self, h):
+        """The Endpoint for UCX endpoint ``h`` (an AM reply endpoint): the
+        user's own if this worker made it, else a borrowed wrapper."""
+        key = int(ffi.cast("uintptr_t", h))
+        ep = self._reply_eps.get(key)
+        if ep is not None and ep._h is not None:
+            return ep
+        from .endpoint import Endpoint
+
+        for child in list(self._children):
+            if isinstance(child, Endpoint) and child._h is not None and child._h == h:
+                ep = child
+                break
+        else:
+            ep = Endpoint._borrow(self, h)
+        self._reply_eps[key] = ep
+        return ep
+
     # -- request bookkeeping --------------------------------------------------
 
     def _track(self, req) -> None:
@@ -233,6 +264,7 @@ class Worker(Handle):
                 req._complete()
         for slot, _keep in self._parked:
             lib.gpucx_slot_release(slot)
+        _am.detach(self)
         lib.ucp_worker_destroy(h)
         # Whatever UCX still held is gone with the worker: settle it.
         for req in list(self._pending):

@@ -1,0 +1,237 @@
+"""Active-message benchmarks: gpucx against UCX's own ucx_perftest, same run.
+
+Measures between two processes on this host (default UCX transports):
+
+* 8-byte AM round trip; reported as one-way latency (half the round trip),
+  like the overall latency column of ``ucx_perftest -t ucp_am_lat``;
+* AM bandwidth at 1 MiB and 16 MiB (receiver: ``receive_into`` a buffer,
+  zero copy), against ``ucx_perftest -t ucp_am_bw``;
+* ``send_array``/``recv_array`` bandwidth at 16 MiB against raw AM
+  bandwidth (a fresh array per message, as ``recv_array`` returns).
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_am.py [--lat-iters N] [--bw-iters N]
+
+The machine is shared and its speed drifts: each figure (gpucx and
+perftest alike) is the best of 3 runs, each run averaged over all its
+iterations, and only the ratios of one invocation are compared.  Both sides
+use UCX's default transports and no peer error handling (perftest's default;
+gpucx ``error_handling=False``: peer error handling rules out CMA zero-copy
+on this host).  Nothing here is
+asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pathlib
+import subprocess
+import time
+
+import numpy as np
+
+import gpucx
+
+PING, PONG, DATA, ACK = 1, 2, 3, 4
+MIB = 1 << 20
+
+
+# -- gpucx peer ---------------------------------------------------------------
+
+
+def _server(conn, mode: str, size: int, iters: int) -> None:
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        conn.send(w.address)
+        ep = w.connect(conn.recv(), error_handling=False)
+        if mode == "lat":
+            pong = np.zeros(size, np.uint8)
+            w.set_am_handler(PING, lambda msg: ep.am_send_nb(PONG, pong))
+            progress = w.progress
+            while not conn.poll(0):
+                for _ in range(10000):  # a syscall per 10000 polls only
+                    progress()
+        elif mode == "bw":
+            buf = np.empty(size, np.uint8)
+            reqs = []
+
+            def on_data(msg):
+                reqs.append(msg.receive_into(buf))
+
+            w.set_am_handler(DATA, on_data)
+            while not conn.poll(0):
+                w.progress()
+                if len(reqs) == iters and all(r.done() for r in reqs):
+                    reqs.clear()
+                    ep.am_send(ACK, b"")
+        elif mode == "array":
+            count = 0
+            while not conn.poll(0):
+                try:
+                    ep.recv_array(timeout=0.05)
+                except gpucx.TimeoutError:
+                    continue
+                count += 1
+                if count == iters:
+                    count = 0
+                    ep.am_send(ACK, b"")
+        conn.recv()
+        ep.close()
+
+
+class _Peer:
+    def __init__(self, mode: str, size: int, iters: int):
+        self.conn, theirs = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_server, args=(theirs, mode, size, iters), daemon=True
+        )
+        self.proc.start()
+        self.ctx = gpucx.Context()
+        self.w = self.ctx.create_worker()
+        self.ep = self.w.connect(self.conn.recv(), error_handling=False)
+        self.conn.send(self.w.address)
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+        self.ctx.close()
+
+
+def gpucx_am_lat(size: int, iters: int, runs: int = 3) -> float:
+    """One-way latency in microseconds (half the round trip), averaged over
+    ``iters`` round trips; the best of ``runs`` runs."""
+    peer = _Peer("lat", size, iters)
+    w, ep = peer.w, peer.ep
+    got = [0]
+
+    def on_pong(msg):
+        got[0] += 1
+
+    w.set_am_handler(PONG, on_pong)
+    ping = np.zeros(size, np.uint8)
+    warm = max(100, iters // 10)
+    for i in range(warm):
+        ep.am_send_nb(PING, ping)
+        while got[0] == i:
+            w.progress()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            i = got[0]
+            ep.am_send_nb(PING, ping)
+            while got[0] == i:
+                w.progress()
+        best = min(best, time.perf_counter() - t0)
+    peer.close()
+    return best / iters / 2 * 1e6
+
+
+def _bw_round(w, ep, payload, iters, acks, kind):
+    start = acks[0]
+    if kind == "am":
+        reqs = [ep.am_send_nb(DATA, payload) for _ in range(iters)]
+    else:
+        reqs = [ep.send_array_nb(payload) for _ in range(iters)]
+    while acks[0] == start or not all(r.done() for r in reqs):
+        w.progress()
+
+
+def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 3):
+    """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
+    best of ``runs`` runs: ``kind`` "am" (raw AM) or "array"."""
+    peer = _Peer("bw" if kind == "am" else "array", size, iters)
+    w, ep = peer.w, peer.ep
+    acks = [0]
+
+    def on_ack(msg):
+        acks[0] += 1
+
+    w.set_am_handler(ACK, on_ack)
+    if kind == "array":
+        payload = np.ones(size // 4, np.float32)
+    else:
+        payload = np.ones(size, np.uint8)
+    _bw_round(w, ep, payload, iters, acks, kind)  # warm-up round
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            _bw_round(w, ep, payload, iters, acks, kind)
+        best = min(best, time.perf_counter() - t0)
+    peer.close()
+    return size * iters * rounds / best / MIB
+
+
+# -- ucx_perftest ---------------------------------------------------------------
+
+
+def _perftest(test: str, size: int, iters: int, port: int) -> tuple[float, float]:
+    """(overall one-way latency us, overall bandwidth MiB/s) from perftest."""
+    import libucx
+
+    root = pathlib.Path(libucx.__file__).resolve().parent
+    exe = str(root / "bin" / "ucx_perftest")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(root / "lib"), UCX_MM_ERROR_HANDLING="y")
+    args = ["-t", test, "-s", str(size), "-n", str(iters), "-p", str(port)]
+    server = subprocess.Popen(
+        [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        for _ in range(50):
+            time.sleep(0.2)
+            out = subprocess.run(
+                [exe, "localhost", *args], env=env, capture_output=True, text=True
+            )
+            if out.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"ucx_perftest {test} failed: {out.stderr[-500:]}")
+    finally:
+        server.wait(30)
+    final = [ln for ln in out.stdout.splitlines() if ln.startswith("Final:")][-1]
+    cols = final.split()
+    return float(cols[4]), float(cols[6])
+
+
+def perftest(test: str, size: int, iters: int, port: int, runs: int = 3):
+    """Best of ``runs`` perftest runs: (lowest latency, highest bandwidth)."""
+    res = [_perftest(test, size, iters, port + i) for i in range(runs)]
+    return min(r[0] for r in res), max(r[1] for r in res)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lat-iters", type=int, default=20000)
+    ap.add_argument("--bw-iters", type=int, default=32)
+    ap.add_argument("--port", type=int, default=13470)
+    a = ap.parse_args()
+    rows = []
+    lat = gpucx_am_lat(8, a.lat_iters)
+    plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, a.port)
+    rows.append(("AM latency 8 B (us, one-way)", lat, plat, plat / lat))
+    bw = {}
+    for size in (MIB, 16 * MIB):
+        # At least 64 MiB per round, so the per-round ack is negligible.
+        n = max(a.bw_iters, 64 * MIB // size)
+        bw[size] = gpucx_bw(size, n, "am")
+        port = a.port + 10 * size // MIB
+        _, pbw = perftest("ucp_am_bw", size, n * 8, port)  # as many messages
+        name = f"AM bandwidth {size // MIB} MiB (MiB/s)"
+        rows.append((name, bw[size], pbw, bw[size] / pbw))
+    arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
+    raw = bw[16 * MIB]
+    rows.append(("send/recv_array 16 MiB (MiB/s)", arr, raw, arr / raw))
+    print(f"gpucx {gpucx.__version__}, UCX {'.'.join(map(str, gpucx.UCX_VERSION))}")
+    print(f"{'measure':34} {'gpucx':>10} {'reference':>10} {'ratio':>7}")
+    for name, ours, ref, ratio in rows:
+        print(f"{name:34} {ours:10.2f} {ref:10.2f} {ratio:7.2f}")
+    print("reference: ucx_perftest, except send/recv_array (raw gpucx AM);")
+    print("ratio: gpucx/reference for bandwidth, reference/gpucx for latency")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""gpucx/_csrc/am.c: the active-message queue and AM post helpers."""
+
+TYPES = """
+typedef struct gpucx_am_msg {
+    unsigned id;
+    int owned;
+    uint64_t flags;
+    void *data;
+    size_t length;
+    ucp_ep_h reply_ep;
+    void *header;
+    size_t header_length;
+    ...;
+} gpucx_am_msg_t;
+
+typedef struct gpucx_am_state {
+    ucp_worker_h worker;
+    unsigned head;
+    unsigned tail;
+    unsigned cap;
+    unsigned dropped;
+    ...;
+} gpucx_am_state_t;
+
+typedef struct gpucx_am_reg {
+    gpucx_am_state_t *state;
+    unsigned id;
+    ...;
+} gpucx_am_reg_t;
+
+static const unsigned GPUCX_AM_FLAG_DATA;
+static const unsigned GPUCX_AM_FLAG_RNDV;
+static const unsigned GPUCX_AM_SEND_REPLY;
+static const unsigned GPUCX_AM_SEND_EAGER;
+static const unsigned GPUCX_AM_SEND_RNDV;
+"""
+
+FUNCTIONS = """
+ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install);
+void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker);
+int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
+void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
+void gpucx_am_drain(gpucx_am_state_t *st);
+size_t gpucx_am_max_header(ucp_worker_h worker);
+ucs_status_t gpucx_am_send(ucp_ep_h ep, unsigned id, const void *header,
+                           size_t header_length, const void *buf, size_t len,
+                           int memory_type, unsigned flags, gpucx_slot_t *slot);
+ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
+                                const void *header, size_t header_length,
+                                const void *buf, size_t len, int memory_type,
+                                unsigned flags, gpucx_slot_t *slot,
+                                uint64_t spin_ns);
+ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc, void *buf,
+                                size_t len, int memory_type, gpucx_slot_t *slot);
+"""

@@ -1,0 +1,268 @@
+/*
+ * Active messages.
+ *
+ * The UCX receive callback (gpucx__am_recv_cb) runs inside
+ * ucp_worker_progress: it copies the header, records the data pointer,
+ * length, receive flags and reply endpoint into the worker's C queue and
+ * returns UCS_INPROGRESS so that eager data (persistent, the handler is
+ * registered with UCP_AM_FLAG_PERSISTENT_DATA) and rendezvous descriptors stay
+ * valid until Python is done with them.  Python pops the queue after
+ * progress returns and releases each descriptor once with gpucx_am_release
+ * (ucp_am_data_release) or hands it to ucp_am_recv_data_nbx.
+ */
+
+#include <pthread.h>
+
+#define GPUCX_AMQ_MIN 64
+
+typedef struct gpucx_am_msg {
+    unsigned  id;
+    int       owned;         /* 1: data is a malloc'ed copy, not a UCX desc */
+    uint64_t  flags;         /* ucp_am_recv_param_t.recv_attr */
+    void     *data;          /* eager data or rendezvous descriptor */
+    size_t    length;
+    ucp_ep_h  reply_ep;      /* NULL unless the sender asked for a reply ep */
+    void     *header;        /* malloc'ed copy, NULL when header_length == 0 */
+    size_t    header_length;
+} gpucx_am_msg_t;
+
+typedef struct gpucx_am_state {
+    ucp_worker_h    worker;
+    unsigned        head;    /* next message to pop */
+    unsigned        tail;    /* next free entry; head == tail: empty */
+    unsigned        cap;
+    unsigned        dropped; /* messages lost for lack of memory */
+    gpucx_am_msg_t *q;
+    /* Push (inside progress) and pop (Python) may run in different threads
+     * of a "multi" worker; uncontended, the lock costs a few ns. */
+    pthread_mutex_t lock;
+} gpucx_am_state_t;
+
+/* One per registered AM id: the callback does not get the id from UCX. */
+typedef struct gpucx_am_reg {
+    gpucx_am_state_t *state;
+    unsigned          id;
+} gpucx_am_reg_t;
+
+static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
+static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
+
+/* Make room for one more entry: compact, then grow. */
+static int gpucx__amq_reserve(gpucx_am_state_t *st)
+{
+    gpucx_am_msg_t *q;
+    unsigned        cap;
+
+    if (st->tail < st->cap) {
+        return 1;
+    }
+    if (st->head > 0) {
+        memmove(st->q, st->q + st->head,
+                (st->tail - st->head) * sizeof(gpucx_am_msg_t));
+        st->tail -= st->head;
+        st->head  = 0;
+        return 1;
+    }
+    cap = st->cap ? 2 * st->cap : GPUCX_AMQ_MIN;
+    q   = (gpucx_am_msg_t *)realloc(st->q, cap * sizeof(gpucx_am_msg_t));
+    if (q == NULL) {
+        return 0;
+    }
+    st->q   = q;
+    st->cap = cap;
+    return 1;
+}
+
+static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
+                                      size_t header_length, void *data,
+                                      size_t length,
+                                      const ucp_am_recv_param_t *param)
+{
+    gpucx_am_reg_t   *reg = (gpucx_am_reg_t *)arg;
+    gpucx_am_state_t *st  = reg->state;
+    gpucx_am_msg_t   *m;
+    uint64_t          attr = param->recv_attr;
+    int               keep = (attr & (UCP_AM_RECV_ATTR_FLAG_DATA |
+                                      UCP_AM_RECV_ATTR_FLAG_RNDV)) != 0;
+    void             *hdr  = NULL;
+    void             *copy = NULL;
+
+    if (header_length != 0) {
+        hdr = malloc(header_length);
+    }
+    if (!keep && length != 0) {
+        /* Data valid only during the callback: copy it (not expected with
+         * UCP_AM_FLAG_PERSISTENT_DATA, kept for safety). */
+        copy = malloc(length);
+    }
+    pthread_mutex_lock(&st->lock);
+    if ((header_length != 0 && hdr == NULL) ||
+        (!keep && length != 0 && copy == NULL) || !gpucx__amq_reserve(st)) {
+        st->dropped++;
+        pthread_mutex_unlock(&st->lock);
+        free(hdr);
+        free(copy);
+        /* Rendezvous: fail the sender; eager: UCX frees the data. */
+        return (attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_NO_MEMORY : UCS_OK;
+    }
+    if (hdr != NULL) {
+        memcpy(hdr, header, header_length);
+    }
+    if (copy != NULL) {
+        memcpy(copy, data, length);
+    }
+    m                = &st->q[st->tail++];
+    m->id            = reg->id;
+    m->owned         = !keep;
+    m->flags         = attr;
+    m->data          = keep ? data : copy;
+    m->length        = length;
+    m->reply_ep      = (attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ? param->reply_ep
+                                                                : NULL;
+    m->header        = hdr;
+    m->header_length = header_length;
+    pthread_mutex_unlock(&st->lock);
+    return keep ? UCS_INPROGRESS : UCS_OK;
+}
+
+/* Install (cb != 0) or remove the C receive callback for reg->id. */
+static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
+{
+    ucp_am_handler_param_t p;
+
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    p.id    = reg->id;
+    p.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
+    p.cb    = install ? gpucx__am_recv_cb : NULL;
+    p.arg   = install ? reg : NULL;
+    return ucp_worker_set_am_recv_handler(reg->state->worker, &p);
+}
+
+/* Move the oldest message into *out (the caller now owns its header and
+ * data); returns 0 when the queue is empty. */
+static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
+{
+    int found = 0;
+
+    pthread_mutex_lock(&st->lock);
+    if (st->head != st->tail) {
+        *out = st->q[st->head++];
+        if (st->head == st->tail) {
+            st->head = st->tail = 0;
+        }
+        found = 1;
+    }
+    pthread_mutex_unlock(&st->lock);
+    return found;
+}
+
+static void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker)
+{
+    memset(st, 0, sizeof(*st));
+    st->worker = worker;
+    pthread_mutex_init(&st->lock, NULL);
+}
+
+/* Release the data of a popped message exactly once (eager data or an
+ * unreceived rendezvous descriptor; the latter completes the sender). */
+static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m)
+{
+    if (m->data != NULL) {
+        if (m->owned) {
+            free(m->data);
+        } else if (worker != NULL) {
+            ucp_am_data_release(worker, m->data);
+        }
+        m->data = NULL;
+    }
+    free(m->header);
+    m->header        = NULL;
+    m->header_length = 0;
+}
+
+/* Drop everything still queued (worker close, before ucp_worker_destroy). */
+static void gpucx_am_drain(gpucx_am_state_t *st)
+{
+    gpucx_am_msg_t m;
+
+    while (gpucx_am_pop(st, &m)) {
+        gpucx_am_release(st->worker, &m);
+    }
+    free(st->q);
+    st->q   = NULL;
+    st->cap = 0;
+    /* The lock stays valid (never destroyed): it lives as long as st. */
+}
+
+static size_t gpucx_am_max_header(ucp_worker_h worker)
+{
+    ucp_worker_attr_t attr;
+
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_MAX_AM_HEADER;
+    if (ucp_worker_query(worker, &attr) != UCS_OK) {
+        return 0;
+    }
+    return attr.max_am_header;
+}
+
+static ucs_status_t gpucx_am_send(ucp_ep_h ep, unsigned id, const void *header,
+                                  size_t header_length, const void *buf,
+                                  size_t len, int memory_type, unsigned flags,
+                                  gpucx_slot_t *slot)
+{
+    ucp_request_param_t p;
+
+    gpucx__param_init(&p, slot, memory_type);
+    p.cb.send = gpucx__send_cb;
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+    /* The header is copied by UCX so Python need not hold it. */
+    p.flags = flags | UCP_AM_SEND_FLAG_COPY_HEADER;
+    return gpucx__posted(slot, ucp_am_send_nbx(ep, id, header, header_length,
+                                               buf, len, &p));
+}
+
+static ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep,
+                                       unsigned id, const void *header,
+                                       size_t header_length, const void *buf,
+                                       size_t len, int memory_type,
+                                       unsigned flags, gpucx_slot_t *slot,
+                                       uint64_t spin_ns)
+{
+    if (gpucx_am_send(ep, id, header, header_length, buf, len, memory_type,
+                      flags, slot) != UCS_INPROGRESS) {
+        return slot->status;
+    }
+    return gpucx_wait(worker, slot, spin_ns);
+}
+
+static void gpucx__am_recv_data_cb(void *request, ucs_status_t status,
+                                   size_t length, void *user_data)
+{
+    gpucx_slot_t *slot = (gpucx_slot_t *)user_data;
+    (void)request;
+    slot->length = length;
+    slot->status = status;
+}
+
+/* Receive a rendezvous message into buf, zero copy. */
+static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
+                                       void *buf, size_t len, int memory_type,
+                                       gpucx_slot_t *slot)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t    r;
+
+    gpucx__param_init(&p, slot, memory_type);
+    p.cb.recv_am = gpucx__am_recv_data_cb;
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    p.recv_info.length = &slot->length;
+    slot->length       = 0;
+    r = ucp_am_recv_data_nbx(worker, desc, buf, len, &p);
+    return gpucx__posted(slot, r);
+}
+
+static const unsigned GPUCX_AM_SEND_REPLY = UCP_AM_SEND_FLAG_REPLY;
+static const unsigned GPUCX_AM_SEND_EAGER = UCP_AM_SEND_FLAG_EAGER;
+static const unsigned GPUCX_AM_SEND_RNDV  = UCP_AM_SEND_FLAG_RNDV;

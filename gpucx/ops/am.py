@@ -1,0 +1,552 @@
+"""Active messages (``ucp_am_send_nbx`` / ``ucp_worker_set_am_recv_handler``).
+
+An active message (AM) is an id (0..65535), a small header and a payload.
+The receiving worker runs the Python handler set for the id with an
+:class:`AmMessage`.
+
+How it runs: the UCX receive callback is C (``gpucx/_csrc/am.c``).  It copies
+the header, records data pointer, length, flags and reply endpoint into the
+worker's C queue and keeps eager data alive (``UCS_INPROGRESS``).  After
+``ucp_worker_progress`` returns, :func:`dispatch` pops the queue and runs the
+handlers in arrival order.  Every path that progresses a worker dispatches:
+:meth:`Worker.progress`, the waiting loop of blocking calls and
+``Request.wait`` (through ``Worker._poll_events``), and ``recv_array``.
+
+Rules:
+
+* An exception raised by a handler propagates to the caller of
+  ``progress()`` / ``wait()``; messages after it stay queued and are
+  dispatched by the next progress.
+* A message whose id has no handler when it is dispatched (the handler was
+  cleared with ``set_am_handler(id, None)`` after the message arrived) is
+  **dropped with a** :class:`RuntimeWarning`.  Messages for ids that never had
+  a handler on the worker are dropped by UCX itself.
+* Handlers do not nest: while a handler runs, progress made inside it (a
+  blocking reply, say) queues new messages instead of dispatching them.
+* Ids ``0xFF00``..``0xFFFF`` are reserved for gpucx itself
+  (:data:`RESERVED_AM_IDS`; ``send_array`` uses :data:`ARRAY_AM_ID`).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+
+from .._handle import raise_closed
+from .._lib import ffi, lib
+from ..errors import MessageTruncatedError, UnsupportedError, check
+from ..mem.buffer import acquire
+from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+
+__all__ = [
+    "AmMessage",
+    "set_am_handler",
+    "am_send",
+    "am_send_nb",
+    "dispatch",
+    "RESERVED_AM_IDS",
+    "MAX_USER_AM_ID",
+]
+
+#: AM ids gpucx keeps for itself (put-with-notify, send_array, ...).
+RESERVED_AM_IDS = range(0xFF00, 0x10000)
+#: The largest id users may pass to ``set_am_handler`` / ``am_send``.
+MAX_USER_AM_ID = 0xFEFF
+#: The reserved id ``send_array`` / ``recv_array`` travel on.
+ARRAY_AM_ID = 0xFF10
+
+_PROTO = {None: 0, "eager": lib.GPUCX_AM_SEND_EAGER, "rndv": lib.GPUCX_AM_SEND_RNDV}
+_REPLY = lib.GPUCX_AM_SEND_REPLY
+_RNDV = lib.GPUCX_AM_FLAG_RNDV
+_SEND = "am send"
+_RECV = "am receive"
+_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
+
+
+# -- worker integration (called by Worker) -----------------------------------
+
+
+class _AmWorker:
+    """Per-worker AM bookkeeping (``Worker._am``)."""
+
+    __slots__ = (
+        "state",
+        "regs",
+        "handlers",
+        "live",
+        "busy",
+        "max_header",
+        "arrays",
+        "msgs",
+        "enabled",
+    )
+
+    def __init__(self, worker):
+        self.state = ffi.new("gpucx_am_state_t *")
+        lib.gpucx_am_init(self.state, worker._h)
+        self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
+        self.handlers: dict = {}  # am_id -> callable
+        self.live = [worker._h]  # set to None when the worker is destroyed
+        self.busy = False
+        self.max_header: int | None = None
+        self.arrays: dict = {}  # reply-ep address -> deque of array messages
+        self.msgs: weakref.WeakSet = weakref.WeakSet()  # popped, still alive
+        self.enabled = "am" in worker._context.features
+
+
+def attach(worker) -> None:
+    """Give ``worker`` its AM queue and register the internal array id.
+
+    A context without the ``"am"`` feature cannot register handlers; the
+    queue then just stays empty.
+    """
+    am = _AmWorker(worker)
+    worker._am = am
+    worker._amq = am.state
+    from .arrays import _on_array
+
+    if am.enabled and _register(am, ARRAY_AM_ID) == lib.UCS_OK:
+        am.handlers[ARRAY_AM_ID] = _on_array
+
+
+def detach(worker) -> None:
+    """Release every queued message (before ``ucp_worker_destroy``)."""
+    am = worker._am
+    lib.gpucx_am_drain(am.state)
+    # Messages Python still holds give their UCX buffers back now (UCX frees
+    # its pools with the worker); views of their data must not be used after.
+    for msg in list(am.msgs):
+        lib.gpucx_am_release(worker._h, msg._rec)
+    am.arrays.clear()
+    am.live[0] = None
+    am.handlers.clear()
+
+
+def _register(am: _AmWorker, am_id: int) -> int:
+    if am_id in am.regs:
+        return lib.UCS_OK
+    reg = ffi.new("gpucx_am_reg_t *")
+    reg.state = am.state
+    reg.id = am_id
+    st = lib.gpucx_am_set_handler(reg, 1)
+    if st == lib.UCS_OK:
+        am.regs[am_id] = reg
+    return st
+
+
+def _release(live, rec, _ptr) -> None:
+    # ffi.gc destructor of a message's data: runs once, when neither the
+    # AmMessage nor any view of its data is referenced any more.
+    lib.gpucx_am_release(live[0] if live[0] is not None else ffi.NULL, rec)
+
+
+def dispatch(worker) -> None:
+    """Run the handlers of queued messages, in arrival order.
+
+    Raises
+    ------
+    Exception
+        Whatever a handler raised (the rest stays queued).
+    """
+    am = worker._am
+    if am.busy:
+        return
+    am.busy = True
+    try:
+        st = am.state
+        handlers = am.handlers
+        while st.tail:
+            rec = ffi.new("gpucx_am_msg_t *")
+            if not lib.gpucx_am_pop(st, rec):
+                break
+            msg = AmMessage(worker, rec, am.live)
+            am.msgs.add(msg)
+            handler = handlers.get(msg.am_id)
+            if handler is None:
+                warnings.warn(
+                    f"gpucx: active message id {msg.am_id} ({msg.nbytes} bytes) "
+                    "dropped: no handler is set for it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                msg._drop()
+                continue
+            handler(msg)
+    finally:
+        am.busy = False
+
+
+# -- the message --------------------------------------------------------------
+
+
+class AmMessage:
+    """One received active message, given to the handler.
+
+    Attributes
+    ----------
+    am_id : int
+        The id it was sent to.
+    header : bytes
+        The sender's header (a copy).
+    nbytes : int
+        Payload size in bytes.
+    is_rndv : bool
+        True when the payload waits at the sender (rendezvous): only
+        :meth:`receive_into` gets it.
+    reply_ep : Endpoint or None
+        An endpoint back to the sender when it sent with ``reply=True``.
+
+    Eager payloads stay in UCX's receive buffer (no copy) until the message
+    and every view of :attr:`data` are garbage; a rendezvous payload not
+    received before then is discarded (the sender's request completes).
+    Views of :attr:`data` must not outlive the worker.
+    """
+
+    __slots__ = (
+        "am_id",
+        "header",
+        "nbytes",
+        "is_rndv",
+        "_reply_h",
+        "_reply_ep",
+        "_worker",
+        "_rec",
+        "_desc",
+        "_live",
+        "_taken",
+        "__weakref__",
+    )
+
+    def __init__(self, worker, rec, live):
+        self.am_id = rec.id
+        n = rec.header_length
+        self.header = ffi.buffer(rec.header, n)[:] if n else b""
+        self.nbytes = rec.length
+        self.is_rndv = bool(rec.flags & _RNDV)
+        self._reply_h = rec.reply_ep
+        self._reply_ep = None
+        self._worker = worker
+        self._rec = rec
+        # The data is released when the message is collected (__del__), or,
+        # once .data made a view, when the last view is (ffi.gc).
+        self._desc = None
+        self._live = live
+        self._taken = False
+
+    def __del__(self) -> None:
+        if self._desc is None and lib is not None:
+            _release(self._live, self._rec, None)
+
+    def __repr__(self) -> str:
+        proto = "rndv" if self.is_rndv else "eager"
+        return (
+            f"<gpucx.AmMessage id={self.am_id} {proto} nbytes={self.nbytes} "
+            f"header={len(self.header)}B>"
+        )
+
+    @property
+    def reply_ep(self):
+        if self._reply_ep is None and self._reply_h != ffi.NULL:
+            self._reply_ep = self._worker._endpoint_for(self._reply_h)
+        return self._reply_ep
+
+    @property
+    def data(self) -> memoryview:
+        """The eager payload, read-only, without a copy.
+
+        Raises
+        ------
+        ValueError
+            For a rendezvous message (use :meth:`receive_into`) or one whose
+            payload was already received.
+        """
+        if self.is_rndv:
+            raise ValueError(
+                "a rendezvous active message has no data yet: use receive_into(buf)"
+            )
+        if self._taken:
+            raise ValueError("the payload of this message was already received")
+        desc = self._desc
+        if desc is None:
+            desc = self._desc = ffi.gc(
+                ffi.cast("char *", self._rec.data),
+                functools.partial(_release, self._live, self._rec),
+            )
+        return memoryview(ffi.buffer(desc, self.nbytes)).toreadonly()
+
+    def receive_into(self, buf) -> Request:
+        """Receive the payload into ``buf``.
+
+        A rendezvous payload moves straight from the sender into ``buf``
+        (``ucp_am_recv_data_nbx``, zero copy); an eager payload is copied.
+
+        Returns
+        -------
+        Request
+            ``wait()`` returns the number of bytes received.
+
+        Raises
+        ------
+        gpucx.MessageTruncatedError
+            If ``buf`` is smaller than the payload.
+        RuntimeError
+            If the payload was already received.
+        BufferError
+            If ``buf`` is read-only or not contiguous.
+        gpucx.UnsupportedError
+            For an eager payload into non-host memory.
+        gpucx.ClosedError
+            If the worker is closed.
+        """
+        w = self._worker
+        if w._h is None:
+            raise_closed(w)
+        if self._taken:
+            raise RuntimeError("the payload of this message was already received")
+        ptr, n, mt, keep = acquire(buf, True)
+        if n < self.nbytes:
+            exc = MessageTruncatedError(
+                f"{_RECV}: message truncated: the receive buffer holds {n} bytes, "
+                f"the message has {self.nbytes} bytes",
+                lib.UCS_ERR_MESSAGE_TRUNCATED,
+            )
+            exc.buffer_size = n
+            exc.message_size = self.nbytes
+            raise exc
+        slot = new_slot()
+        if self.is_rndv:
+            self._taken = True
+            # The descriptor now belongs to the receive: release only the
+            # header when the message is collected.
+            desc = self._rec.data
+            self._rec.data = ffi.NULL
+            lib.gpucx_am_recv_data(w._h, desc, ptr, self.nbytes, mt, slot)
+            return Request(w, slot, keep, _RECV, _nbytes, None, n)
+        if mt != _HOST and self.nbytes:
+            raise UnsupportedError(
+                "receive_into: an eager active message can only be copied into "
+                "host memory (send with proto='rndv' for device buffers)"
+            )
+        ffi.memmove(ptr, self._rec.data, self.nbytes)
+        self._drop()
+        slot.status = lib.UCS_OK
+        slot.length = self.nbytes
+        return Request(w, slot, None, _RECV, _nbytes, None, n)
+
+    def _drop(self) -> None:
+        """Give the data back now (views made by .data keep it until they go)."""
+        self._taken = True
+        if self._desc is None:
+            _release(self._live, self._rec, None)
+        else:
+            self._desc = None
+
+
+def _nbytes(req) -> int:
+    return req._slot.length
+
+
+# -- handlers and sends ----------------------------------------------------------
+
+
+def _check_id(am_id) -> None:
+    if not isinstance(am_id, int) or isinstance(am_id, bool):
+        raise TypeError(f"am_id must be an int, not {type(am_id).__name__}")
+    if not 0 <= am_id <= MAX_USER_AM_ID:
+        raise ValueError(
+            f"am_id must be in 0..{MAX_USER_AM_ID:#x} (ids {RESERVED_AM_IDS.start:#x}"
+            f"..{RESERVED_AM_IDS.stop - 1:#x} are reserved for gpucx), not {am_id}"
+        )
+
+
+def set_am_handler(worker, am_id: int, handler) -> None:
+    """Run ``handler(msg: AmMessage)`` for each active message sent to
+    ``am_id`` (``None`` clears it; later messages for the id are dropped
+    with a warning).  Replacing a handler takes effect for the next message.
+
+    Raises
+    ------
+    ValueError
+        For an id outside 0..0xFEFF (0xFF00..0xFFFF are reserved).
+    TypeError
+        If ``handler`` is neither callable nor None.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    if worker._h is None:
+        raise_closed(worker)
+    _check_id(am_id)
+    if handler is not None and not callable(handler):
+        raise TypeError(f"handler must be callable or None, not {handler!r}")
+    am = worker._am
+    if not am.enabled:
+        _no_am()
+    if handler is None:
+        # The C callback stays installed: messages already on their way are
+        # dropped with a warning at dispatch rather than silently by UCX.
+        am.handlers.pop(am_id, None)
+        return
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    am.handlers[am_id] = handler
+
+
+def _no_am():
+    raise UnsupportedError(
+        'active messages need a Context created with the "am" feature '
+        "(features=None enables every feature)"
+    )
+
+
+def set_internal_handler(worker, am_id: int, handler) -> None:
+    """Install a gpucx-internal handler on a reserved id (0xFF00..0xFFFF).
+
+    For other gpucx modules (put-with-notify...): same queue, same dispatch
+    and the same exception rules as user handlers.  ``send_array`` owns
+    :data:`ARRAY_AM_ID`.
+
+    Raises
+    ------
+    ValueError
+        For an id outside the reserved range, or :data:`ARRAY_AM_ID`.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    """
+    if am_id not in RESERVED_AM_IDS or am_id == ARRAY_AM_ID:
+        raise ValueError(f"{am_id!r} is not a free reserved gpucx AM id")
+    am = worker._am
+    if not am.enabled:
+        _no_am()
+    if handler is None:
+        am.handlers.pop(am_id, None)
+        return
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    am.handlers[am_id] = handler
+
+
+def send_internal_nb(ep, am_id: int, buf, header=b"", *, reply=False) -> Request:
+    """:func:`am_send_nb` for a reserved id (gpucx modules only).
+
+    Raises
+    ------
+    ValueError
+        For an id outside the reserved range.
+    """
+    if ep._h is None:
+        raise_closed(ep)
+    if am_id not in RESERVED_AM_IDS:
+        raise ValueError(f"{am_id!r} is not a reserved gpucx AM id")
+    return _send_nb(ep, am_id, buf, header, _REPLY if reply else 0)
+
+
+def _header(ep, header):
+    am = ep._w._am
+    if not am.enabled:
+        _no_am()
+    if not header:
+        return ffi.NULL, 0
+    h = ffi.from_buffer(header)
+    n = len(h)
+    if am.max_header is None:
+        am.max_header = lib.gpucx_am_max_header(ep._w._h)
+    if n > am.max_header:
+        raise ValueError(
+            f"am_send: header of {n} bytes exceeds this worker's maximum of "
+            f"{am.max_header} bytes (put large data in the payload)"
+        )
+    return h, n
+
+
+def _flags(reply, proto) -> int:
+    try:
+        flags = _PROTO[proto]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"proto must be None, 'eager' or 'rndv', not {proto!r}"
+        ) from None
+    return flags | _REPLY if reply else flags
+
+
+def am_send(ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None):
+    """Send ``buf`` as an active message to handler ``am_id`` of the peer;
+    return once ``buf`` is reusable.
+
+    Parameters
+    ----------
+    am_id : int
+        0..0xFEFF.
+    buf : buffer
+        Any object :func:`gpucx.mem.as_buffer` accepts (may be empty).
+    header : bytes-like
+        Small user header (at most the worker's ``max_am_header``, copied).
+    reply : bool
+        Give the receiver a :attr:`AmMessage.reply_ep` back to this worker.
+    proto : None, "eager" or "rndv"
+        Force a protocol; None lets UCX choose by size.
+
+    Raises
+    ------
+    ValueError
+        For a bad id, an unknown ``proto`` or an oversized header.
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    _check_id(am_id)
+    flags = _flags(reply, proto)
+    hdr, hn = _header(ep, header)
+    ptr, n, mt, keep = acquire(buf, False)
+    w = ep._w
+    slot = new_slot() if w._multi else w._sslot
+    st = lib.gpucx_am_send_wait(
+        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, SPIN_NS
+    )
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, None, keep)
+        if st:
+            raise_status(st, _SEND, ep)
+
+
+def am_send_nb(
+    ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None
+) -> Request:
+    """Start sending an active message (see :func:`am_send`).
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns None once ``buf`` is reusable.
+
+    Raises
+    ------
+    ValueError
+        For a bad id, an unknown ``proto`` or an oversized header.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    if type(am_id) is not int or not 0 <= am_id <= MAX_USER_AM_ID:
+        _check_id(am_id)
+    flags = (_REPLY if reply else 0) if proto is None else _flags(reply, proto)
+    return _send_nb(ep, am_id, buf, header, flags)
+
+
+def _send_nb(ep, am_id, buf, header, flags) -> Request:
+    hdr, hn = _header(ep, header)
+    ptr, n, mt, keep = acquire(buf, False)
+    slot = new_slot()
+    lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+    return Request(ep._w, slot, keep, _SEND, None, ep)

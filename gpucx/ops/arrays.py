@@ -1,0 +1,296 @@
+"""Typed array messaging: ``ep.send_array(arr)`` / ``ep.recv_array()``.
+
+One array is one active message on the reserved id
+:data:`~gpucx.ops.am.ARRAY_AM_ID`, sent with a reply endpoint.  The AM header
+describes the array; the payload is its bytes (UCX picks eager or rendezvous
+by size).  The receiver queues array messages per sender endpoint (the AM
+reply endpoint), so two peers sending to one receiver never mix;
+``recv_array`` allocates a fresh array of the same dtype and shape and
+receives into it (rendezvous: straight from the sender, no extra copy).
+
+Header layout (little endian), format version 1::
+
+    magic  4s   b"GXAR"
+    version B   1
+    memtype B   ucs_memory_type_t of the sender's data
+    order   B   b"<", b">" or b"|" (byte order of the dtype)
+    ndim    B   0..64
+    dtlen   B   length of the dtype string
+    dtype   dtlen bytes, NumPy ``dtype.str`` (e.g. "<f8", "|b1", "<c16")
+    shape   ndim x uint64
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+
+from .._handle import raise_closed
+from .._lib import ffi, lib
+from ..errors import TimeoutError, UnsupportedError
+from ..mem.buffer import as_buffer
+from ..mem.memtype import MemoryType
+from . import am as _am
+
+__all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
+
+#: Version of the array header written by this gpucx.
+FORMAT_VERSION = 1
+_MAGIC = b"GXAR"
+_FIXED = struct.Struct("<4sBBBBB")
+_MAX_NDIM = 64
+_SLICE_MS = 100
+_HOST = int(MemoryType.HOST)
+
+
+def _describe(arr):
+    """(contiguous object to send, dtype str, shape, byte order)."""
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    if cai is not None:
+        shape = tuple(int(s) for s in cai["shape"])
+        typestr = cai["typestr"]
+        strides = cai.get("strides")
+        if strides is not None:
+            import numpy as np
+
+            itemsize = np.dtype(typestr).itemsize
+            expect, acc = [], itemsize
+            for s in reversed(shape):
+                expect.append(acc)
+                acc *= s
+            if tuple(strides) != tuple(reversed(expect)) and 0 not in shape:
+                raise ValueError(
+                    "send_array: the device array is not C-contiguous "
+                    f"(shape {shape}, strides {tuple(strides)}); send a "
+                    "contiguous copy (e.g. cupy.ascontiguousarray)"
+                )
+        return arr, typestr, shape
+    import numpy as np
+
+    a = arr if isinstance(arr, np.ndarray) else np.asarray(arr)
+    if a.dtype.hasobject:
+        raise TypeError("send_array: arrays of Python objects cannot be sent")
+    if a.dtype.fields is not None or a.dtype.subdtype is not None:
+        raise TypeError(
+            f"send_array: structured dtype {a.dtype} is not supported; send a "
+            "plain numeric/bool array"
+        )
+    if not a.flags.c_contiguous:
+        # Send a C-ordered copy: the receiver rebuilds C order, never strides.
+        a = np.ascontiguousarray(a)
+    return a, a.dtype.str, a.shape
+
+
+def _pack(typestr: str, shape, memtype: int) -> bytes:
+    dt = typestr.encode()
+    if len(shape) > _MAX_NDIM:
+        raise ValueError(f"send_array: {len(shape)} dimensions (at most {_MAX_NDIM})")
+    order = dt[:1] if dt[:1] in (b"<", b">", b"|") else b"|"
+    return (
+        _FIXED.pack(_MAGIC, FORMAT_VERSION, memtype, order[0], len(shape), len(dt))
+        + dt
+        + struct.pack(f"<{len(shape)}Q", *shape)
+    )
+
+
+def _unpack(header: bytes):
+    """(dtype str, shape, memtype) or raise ValueError naming what is wrong."""
+    if len(header) < _FIXED.size:
+        raise ValueError(f"array header of {len(header)} bytes is too short")
+    magic, version, memtype, _order, ndim, dtlen = _FIXED.unpack_from(header)
+    if magic != _MAGIC:
+        raise ValueError(f"array header magic {magic!r} is not {_MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"array header format version {version} (this gpucx reads {FORMAT_VERSION})"
+        )
+    end = _FIXED.size + dtlen
+    if len(header) != end + 8 * ndim:
+        raise ValueError("array header length does not match its ndim/dtype")
+    typestr = header[_FIXED.size : end].decode()
+    shape = struct.unpack_from(f"<{ndim}Q", header, end)
+    return typestr, shape, memtype
+
+
+def _prepare(ep, arr):
+    if ep._h is None:
+        raise_closed(ep)
+    obj, typestr, shape = _describe(arr)
+    buf = as_buffer(obj)
+    return obj, _pack(typestr, shape, int(buf.memory_type))
+
+
+def send_array(ep, arr, *, proto=None) -> None:
+    """Send an array (dtype, shape and data) to the peer's ``recv_array``.
+
+    Parameters
+    ----------
+    arr : array
+        NumPy array (or anything ``numpy.asarray`` takes) or a CUDA array
+        (``__cuda_array_interface__``).  A non-contiguous host array is sent
+        as a C-contiguous copy; a non-contiguous device array is rejected.
+    proto : None, "eager" or "rndv"
+        Force a protocol (None: UCX chooses by size).
+
+    Raises
+    ------
+    ValueError
+        For a non-contiguous device array or more than 64 dimensions.
+    TypeError
+        For object or structured dtypes.
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    """
+    obj, header = _prepare(ep, arr)
+    _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, _am._flags(True, proto)).wait()
+
+
+def send_array_nb(ep, arr, *, proto=None):
+    """Start :meth:`send_array`; returns a :class:`~gpucx.Request`.
+
+    Raises
+    ------
+    ValueError, TypeError, gpucx.ClosedError
+        As for :func:`send_array`.
+    """
+    obj, header = _prepare(ep, arr)
+    return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, _am._flags(True, proto))
+
+
+def _on_array(msg) -> None:
+    """Internal AM handler: queue the message by its sender's endpoint."""
+    import warnings
+
+    if msg._reply_h == ffi.NULL:
+        warnings.warn(
+            "gpucx: array message without a reply endpoint dropped",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        msg._drop()
+        return
+    key = int(ffi.cast("uintptr_t", msg._reply_h))
+    q = msg._worker._am.arrays
+    q.setdefault(key, deque()).append(msg)
+
+
+def _default_allocator(nbytes: int, memory_type: int):
+    if memory_type == _HOST:
+        import numpy as np
+
+        return np.empty(nbytes, np.uint8)
+    if memory_type in (int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)):
+        try:
+            import cupy
+        except ImportError:
+            raise UnsupportedError(
+                "recv_array: the sender sent CUDA memory and CuPy is not "
+                "installed (install cupy or pass allocator=)"
+            ) from None
+        try:
+            return cupy.empty(nbytes, cupy.uint8)
+        except Exception as exc:
+            raise UnsupportedError(
+                f"recv_array: cannot allocate CUDA memory here ({exc}); pass allocator="
+            ) from None
+    raise UnsupportedError(
+        f"recv_array: no allocator for memory type {MemoryType(memory_type).name}; "
+        "pass allocator="
+    )
+
+
+def _as_array(raw, typestr, shape, memory_type, nbytes):
+    cai = getattr(raw, "__cuda_array_interface__", None)
+    if cai is not None:
+        import cupy
+
+        flat = cupy.asarray(raw).ravel().view(cupy.uint8)[:nbytes]
+        return flat.view(typestr).reshape(shape)
+    import numpy as np
+
+    flat = np.frombuffer(raw, np.uint8, count=nbytes)
+    if not flat.flags.writeable:
+        flat = np.frombuffer(memoryview(raw).cast("B"), np.uint8, count=nbytes)
+    return flat.view(np.dtype(typestr)).reshape(shape)
+
+
+def recv_array(ep, timeout: float | None = None, allocator=None):
+    """Receive the next array the peer of ``ep`` sent with ``send_array``.
+
+    Parameters
+    ----------
+    timeout : float or None
+        Seconds to wait for the array (None: forever).
+    allocator : callable or None
+        ``allocator(nbytes, memory_type) -> buffer`` of at least ``nbytes``
+        writable bytes; the default gives NumPy for host data and CuPy for
+        CUDA data.
+
+    Returns
+    -------
+    array
+        A new array with the sender's dtype and shape (NumPy or CuPy).
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When no array arrived within ``timeout`` (nothing is lost).
+    gpucx.UnsupportedError
+        CUDA data without CuPy/GPU here (the array stays queued: retry with
+        ``allocator=``).
+    ValueError
+        A malformed array header (the message is dropped).
+    gpucx.ClosedError
+        If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    Exception
+        Whatever an AM handler dispatched while waiting raised.
+    """
+    if ep._h is None:
+        raise_closed(ep)
+    w = ep._w
+    if not w._am.enabled:
+        _am._no_am()
+    q = w._am.arrays
+    key = int(ffi.cast("uintptr_t", ep._h))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = q.get(key)
+    while not pending:
+        w.progress()
+        pending = q.get(key)
+        if pending:
+            break
+        if deadline is None:
+            ms = _SLICE_MS
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"recv_array: no array arrived within {timeout} s",
+                    lib.UCS_ERR_TIMED_OUT,
+                )
+            ms = min(_SLICE_MS, max(1, int(left * 1000)))
+        lib.gpucx_worker_sleep(w._h, w._efd, ms)
+        if w._amq.tail:
+            _am.dispatch(w)
+        pending = q.get(key)
+    msg = pending[0]
+    try:
+        typestr, shape, memtype = _unpack(msg.header)
+    except ValueError as exc:
+        pending.popleft()._drop()
+        raise ValueError(f"recv_array: malformed array message: {exc}") from None
+    nbytes = msg.nbytes
+    raw = (allocator or _default_allocator)(nbytes, memtype)
+    out = _as_array(raw, typestr, shape, memtype, nbytes)
+    pending.popleft()
+    if not pending:
+        del q[key]
+    # The array is here: give its transfer at least a second.
+    left = None if deadline is None else max(1.0, deadline - time.monotonic())
+    msg.receive_into(raw).wait(left)
+    return out

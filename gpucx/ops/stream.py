@@ -1,0 +1,158 @@
+"""The stream API: an ordered byte stream per endpoint.
+
+``stream_send`` appends bytes to the endpoint's stream; ``stream_recv``
+fills a buffer completely from it (``UCP_STREAM_RECV_FLAG_WAITALL``), however
+the sender split its sends.  Message boundaries are not kept.
+"""
+
+from __future__ import annotations
+
+from .._handle import raise_closed
+from .._lib import lib
+from ..errors import UnsupportedError
+from ..mem.buffer import acquire
+from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+
+__all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
+
+_SEND = "stream send"
+_RECV = "stream recv"
+
+
+def _sync_slot(w):
+    return new_slot() if w._multi else w._sslot
+
+
+def _no_stream(ep):
+    # UCX crashes on stream calls of a context made without the feature.
+    raise UnsupportedError(
+        'the stream API needs a Context created with the "stream" feature '
+        "(features=None enables every feature)"
+    )
+
+
+def stream_send(ep, buf) -> None:
+    """Append ``buf`` to the endpoint's stream; return once it is reusable.
+
+    Raises
+    ------
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send (non-contiguous...).
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
+    w = ep._w
+    ptr, n, mt, keep = acquire(buf, False)
+    slot = _sync_slot(w)
+    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, None, keep)
+        if st:
+            raise_status(st, _SEND, ep)
+
+
+def stream_send_nb(ep, buf) -> Request:
+    """Start appending ``buf`` to the endpoint's stream.
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns None.
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the endpoint is closed.
+    BufferError
+        For memory gpucx cannot send.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
+    ptr, n, mt, keep = acquire(buf, False)
+    slot = new_slot()
+    lib.gpucx_stream_send(h, ptr, n, mt, slot)
+    return Request(ep._w, slot, keep, _SEND, None, ep)
+
+
+def _length(req) -> int:
+    return req._slot.length
+
+
+def stream_recv(ep, buf, timeout: float | None = None) -> int:
+    """Fill all of ``buf`` from the endpoint's stream; return its size.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first (the receive is canceled; bytes
+        it already took from the stream are lost).
+    gpucx.PeerError
+        If the peer died.
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
+    w = ep._w
+    ptr, n, mt, keep = acquire(buf, True)
+    slot = _sync_slot(w)
+    if timeout is None:
+        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+    else:
+        st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, timeout, keep)
+        if st:
+            raise_status(st, _RECV, ep, slot, n)
+    return slot.length
+
+
+def stream_recv_nb(ep, buf) -> Request:
+    """Start filling all of ``buf`` from the endpoint's stream.
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns the number of bytes received (``len(buf)``).
+
+    Raises
+    ------
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"stream"`` feature.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    if "stream" not in ep._w._context.features:
+        _no_stream(ep)
+    ptr, n, mt, keep = acquire(buf, True)
+    slot = new_slot()
+    lib.gpucx_stream_recv(h, ptr, n, mt, slot)
+    return Request(ep._w, slot, keep, _RECV, _length, ep, n)

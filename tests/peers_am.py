@@ -1,0 +1,57 @@
+"""Peer programs for the two-process AM, stream and array tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import gpucx
+
+from conftest import transport_config
+
+#: AM ids of the echo protocol: the client sends to ECHO, the peer answers
+#: to BACK with the same header and payload.
+ECHO, BACK = 1, 2
+
+
+def _connect(w, q, via_listener):
+    if via_listener:
+        lst = w.listen(host="127.0.0.1")
+        q.put(("port", lst.port))
+        return lst.accept(timeout=30)
+    q.put(("address", w.address))
+    return w.connect(q.get())
+
+
+def am_echo_peer(tls, q, via_listener):
+    """Echo active messages (through their reply endpoint), stream bytes and
+    arrays back to the client, on command, until told "bye"."""
+    with gpucx.Context(config=transport_config(tls, via_listener)) as ctx:
+        w = ctx.create_worker()
+        ep = _connect(w, q, via_listener)
+        inbox = []
+        # The handler only queues: receiving and replying happen below,
+        # outside the handler (handlers do not nest progress).
+        w.set_am_handler(ECHO, inbox.append)
+        conn = q._conn
+        while True:
+            w.progress()
+            while inbox:
+                msg = inbox.pop(0)
+                buf = np.empty(msg.nbytes, np.uint8)
+                msg.receive_into(buf).wait(60)
+                proto = "rndv" if msg.is_rndv else None
+                msg.reply_ep.am_send(BACK, buf, header=msg.header, proto=proto)
+            if not conn.poll(0):
+                continue
+            cmd, arg = q.get()
+            if cmd == "stream":
+                buf = np.empty(arg, np.uint8)
+                ep.stream_recv(buf, timeout=60)
+                ep.stream_send(buf)
+            elif cmd == "arrays":
+                for _ in range(arg):
+                    ep.send_array(ep.recv_array(timeout=60))
+            elif cmd == "bye":
+                q.put(("done", ep.transports))
+                q.get()
+                return

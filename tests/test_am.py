@@ -1,0 +1,456 @@
+"""Active messages between two workers of one process, over each transport."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import gpucx
+from gpucx.ops import am as _am
+
+from conftest import Pair
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def pump(pair, cond, timeout=10.0):
+    """Progress both workers until ``cond()`` is true."""
+    end = time.monotonic() + timeout
+    while not cond():
+        pair.a.progress()
+        pair.b.progress()
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met after {timeout} s")
+
+
+def collect(worker, am_id):
+    got = []
+    worker.set_am_handler(am_id, got.append)
+    return got
+
+
+@pytest.mark.parametrize("proto", [None, "eager", "rndv"])
+@pytest.mark.parametrize("nbytes", [0, 1, 100, 65536, 1 << 20])
+def test_am_sizes_and_protocols(pair, tls, proto, nbytes):
+    if proto == "rndv" and nbytes == 0:
+        pytest.skip("a rendezvous of zero bytes is sent eagerly by UCX")
+    got = collect(pair.b, 3)
+    src = np.random.default_rng(nbytes).integers(0, 255, nbytes, dtype=np.uint8)
+    hdr = b"hdr-" + bytes([nbytes % 251])
+    req = pair.ab.am_send_nb(3, src, header=hdr, proto=proto)
+    pump(pair, lambda: got)
+    (msg,) = got
+    assert msg.am_id == 3
+    assert msg.header == hdr
+    assert msg.nbytes == nbytes
+    if proto == "rndv":
+        assert msg.is_rndv
+    if proto == "eager":
+        assert not msg.is_rndv
+    out = np.zeros(nbytes, np.uint8)
+    if not msg.is_rndv:
+        assert bytes(msg.data) == src.tobytes()
+    (n, _) = pair.drive(msg.receive_into(out), req)
+    assert n == nbytes
+    assert np.array_equal(out, src)
+
+
+def test_eager_data_is_a_readonly_view(pair):
+    got = collect(pair.b, 1)
+    pair.drive(pair.ab.am_send_nb(1, b"abcdef", proto="eager"))
+    pump(pair, lambda: got)
+    view = got[0].data
+    assert view.readonly and bytes(view) == b"abcdef"
+    del got[:]
+    # The view alone keeps UCX's buffer alive.
+    assert bytes(view) == b"abcdef"
+
+
+def test_rndv_64mib_into_user_buffer(pair, tls):
+    n = 64 << 20
+    src = np.random.default_rng(1).integers(0, 255, n, dtype=np.uint8)
+    got = collect(pair.b, 9)
+    req = pair.ab.am_send_nb(9, src, proto="rndv")
+    pump(pair, lambda: got, 30)
+    msg = got[0]
+    assert msg.is_rndv and msg.nbytes == n
+    with pytest.raises(ValueError, match="rendezvous"):
+        msg.data  # noqa: B018
+    dst = np.zeros(n, np.uint8)
+    n_got, _ = pair.drive(msg.receive_into(dst), req, timeout=60)
+    assert n_got == n
+    assert np.array_equal(src, dst)
+
+
+def test_unreceived_rndv_is_discarded_and_sender_completes(pair):
+    got = collect(pair.b, 2)
+    req = pair.ab.am_send_nb(2, np.ones(1 << 20, np.uint8), proto="rndv")
+    pump(pair, lambda: got)
+    del got[:]  # the message (and its descriptor) is garbage now
+    pair.drive(req)
+    assert req.result() is None
+
+
+def test_reply_endpoint(pair, tls):
+    answers = collect(pair.a, 2)
+
+    def echo(msg):
+        assert msg.reply_ep is pair.ba
+        msg.reply_ep.am_send_nb(2, bytes(msg.data)[::-1], header=msg.header)
+
+    pair.b.set_am_handler(1, echo)
+    pair.drive(pair.ab.am_send_nb(1, b"ping", header=b"h", reply=True))
+    pump(pair, lambda: answers)
+    assert answers[0].header == b"h" and bytes(answers[0].data) == b"gnip"
+    # Without reply=True there is no reply endpoint.
+    plain = collect(pair.b, 3)
+    pair.drive(pair.ab.am_send_nb(3, b"x"))
+    pump(pair, lambda: plain)
+    assert plain[0].reply_ep is None
+
+
+def test_reply_endpoint_of_unknown_peer_is_borrowed(ctx):
+    """A sender the receiver never connected to: UCX's own endpoint is
+    wrapped; replies work; closing the wrapper leaves UCX's endpoint alone."""
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab = a.connect(b.address)
+    replies = []
+    a.set_am_handler(2, replies.append)
+    seen = []
+
+    def echo(msg):
+        seen.append(msg.reply_ep)
+        msg.reply_ep.am_send_nb(2, b"pong")
+
+    b.set_am_handler(1, echo)
+    req = ab.am_send_nb(1, b"ping", reply=True)
+    end = time.monotonic() + 10
+    while not (replies and req.done()):
+        a.progress()
+        b.progress()
+        assert time.monotonic() < end
+    assert bytes(replies[0].data) == b"pong"
+    assert isinstance(seen[0], gpucx.Endpoint)
+    seen[0].close()
+    assert seen[0].closed
+
+
+def test_handler_replacement_and_removal(pair):
+    first, second = [], []
+    pair.b.set_am_handler(4, first.append)
+    pair.drive(pair.ab.am_send_nb(4, b"1"))
+    pump(pair, lambda: first)
+    pair.b.set_am_handler(4, second.append)
+    pair.drive(pair.ab.am_send_nb(4, b"2"))
+    pump(pair, lambda: second)
+    assert [bytes(m.data) for m in first] == [b"1"]
+    assert [bytes(m.data) for m in second] == [b"2"]
+    pair.b.set_am_handler(4, None)
+    req = pair.ab.am_send_nb(4, b"3")
+    with pytest.warns(RuntimeWarning, match="active message id 4.*dropped"):
+        end = time.monotonic() + 10
+        while pair.b._amq.tail == 0 or not req.done():
+            pair.a.progress()
+            lib_progress_only(pair.b)
+            assert time.monotonic() < end
+        pair.b.progress()
+    assert len(first) == 1 and len(second) == 1
+
+
+def lib_progress_only(worker):
+    """Progress without dispatching (to observe the C queue)."""
+    from gpucx._lib import lib
+
+    lib.ucp_worker_progress(worker._h)
+
+
+def test_handler_exception_reaches_progress_and_queue_survives(pair):
+    seen = []
+
+    def handler(msg):
+        seen.append(bytes(msg.data))
+        if msg.header == b"boom":
+            raise KeyError("from the handler")
+
+    pair.b.set_am_handler(6, handler)
+    reqs = [
+        pair.ab.am_send_nb(6, b"a"),
+        pair.ab.am_send_nb(6, b"b", header=b"boom"),
+        pair.ab.am_send_nb(6, b"c"),
+    ]
+    end = time.monotonic() + 10
+    while pair.b._amq.tail < 3 or not all(r.done() for r in reqs):
+        pair.a.progress()
+        lib_progress_only(pair.b)
+        assert time.monotonic() < end
+    with pytest.raises(KeyError, match="from the handler"):
+        pair.b.progress()
+    assert seen == [b"a", b"b"]
+    pair.b.progress()  # the rest is still queued, in order
+    assert seen == [b"a", b"b", b"c"]
+
+
+def test_handler_exception_reaches_request_wait(pair):
+    def handler(msg):
+        raise RuntimeError("handler failed")
+
+    pair.b.set_am_handler(7, handler)
+    pair.drive(pair.ab.am_send_nb(7, b"x"))
+    recv = pair.b.recv_nb(bytearray(4), tag=99)  # never matched
+    end = time.monotonic() + 10
+    while pair.b._amq.tail == 0:
+        pair.a.progress()
+        lib_progress_only(pair.b)
+        assert time.monotonic() < end
+    with pytest.raises(RuntimeError, match="handler failed"):
+        recv.wait(timeout=5)
+
+
+def test_arrival_order(pair):
+    got = collect(pair.b, 8)
+    reqs = [pair.ab.am_send_nb(8, i.to_bytes(4, "little")) for i in range(200)]
+    pair.drive(*reqs)
+    pump(pair, lambda: len(got) == 200)
+    assert [int.from_bytes(m.data, "little") for m in got] == list(range(200))
+
+
+def test_many_senders_one_receiver(ctx):
+    recv = ctx.create_worker()
+    senders = [ctx.create_worker() for _ in range(4)]
+    eps = [s.connect(recv.address) for s in senders]
+    got = []
+    recv.set_am_handler(11, got.append)
+    reqs = [
+        ep.am_send_nb(11, bytes([i]) * (i + 1) * 1000, header=bytes([i, j]))
+        for j in range(10)
+        for i, ep in enumerate(eps)
+    ]
+    end = time.monotonic() + 20
+    while len(got) < 40 or not all(r.done() for r in reqs):
+        for w in senders + [recv]:
+            w.progress()
+        assert time.monotonic() < end
+    for i in range(4):
+        mine = [m for m in got if m.header[0] == i]
+        assert [m.header[1] for m in mine] == list(range(10))
+        assert all(bytes(m.data) == bytes([i]) * (i + 1) * 1000 for m in mine)
+
+
+def test_blocking_am_send(pair):
+    got = collect(pair.b, 1)
+    pair.ab.am_send(1, np.arange(10, dtype=np.int64), header=b"blk")
+    pump(pair, lambda: got)
+    assert np.frombuffer(got[0].data, np.int64).tolist() == list(range(10))
+
+
+def test_eager_receive_into_copies(pair):
+    got = collect(pair.b, 1)
+    pair.drive(pair.ab.am_send_nb(1, b"0123456789", proto="eager"))
+    pump(pair, lambda: got)
+    out = bytearray(16)
+    assert got[0].receive_into(out).wait() == 10
+    assert out[:10] == b"0123456789"
+    with pytest.raises(ValueError, match="already received"):
+        got[0].data  # noqa: B018
+
+
+# -- errors -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 0xFF00, 0xFFFF, 1 << 16])
+def test_bad_am_ids(pair, bad):
+    with pytest.raises(ValueError, match="reserved"):
+        pair.b.set_am_handler(bad, print)
+    with pytest.raises(ValueError, match="reserved"):
+        pair.ab.am_send(bad, b"x")
+    with pytest.raises(ValueError, match="reserved"):
+        pair.ab.am_send_nb(bad, b"x")
+
+
+def test_am_id_type_and_handler_type(pair):
+    with pytest.raises(TypeError, match="am_id"):
+        pair.b.set_am_handler("1", print)
+    with pytest.raises(TypeError, match="callable"):
+        pair.b.set_am_handler(1, "not callable")
+
+
+def test_bad_proto(pair):
+    with pytest.raises(ValueError, match="proto"):
+        pair.ab.am_send(1, b"x", proto="fast")
+    with pytest.raises(ValueError, match="proto"):
+        pair.ab.am_send_nb(1, b"x", proto=3)
+
+
+def test_oversized_header(pair):
+    limit = gpucx._lib.lib.gpucx_am_max_header(pair.a._h)
+    with pytest.raises(ValueError, match="header of"):
+        pair.ab.am_send_nb(1, b"x", header=b"h" * (limit + 1))
+
+
+def test_receive_into_errors(pair):
+    got = collect(pair.b, 1)
+    req = pair.ab.am_send_nb(1, np.ones(1 << 20, np.uint8), proto="rndv")
+    pump(pair, lambda: got)
+    msg = got[0]
+    with pytest.raises(gpucx.MessageTruncatedError) as info:
+        msg.receive_into(bytearray(10))
+    assert info.value.buffer_size == 10 and info.value.message_size == 1 << 20
+    with pytest.raises(BufferError):
+        msg.receive_into(bytes(1 << 20))  # read-only target
+    out = np.zeros(1 << 20, np.uint8)
+    pair.drive(msg.receive_into(out), req)
+    with pytest.raises(RuntimeError, match="already received"):
+        msg.receive_into(out)
+    assert out.all()
+
+
+def test_closed_endpoint_and_worker(ctx):
+    p = Pair(ctx)
+    p.ab.close()
+    with pytest.raises(gpucx.ClosedError):
+        p.ab.am_send(1, b"x")
+    with pytest.raises(gpucx.ClosedError):
+        p.ab.am_send_nb(1, b"x")
+    p.b.close()
+    with pytest.raises(gpucx.ClosedError):
+        p.b.set_am_handler(1, print)
+
+
+def test_worker_close_with_queued_messages(ctx):
+    p = Pair(ctx)
+    got = collect(p.b, 1)
+    reqs = [p.ab.am_send_nb(1, b"e" * 100, proto="eager") for _ in range(5)]
+    p.drive(*reqs)
+    end = time.monotonic() + 10
+    while p.b._amq.tail == 0:
+        lib_progress_only(p.b)
+        assert time.monotonic() < end
+    held = None
+    p.b.progress()
+    held = got[0]  # a message alive when its worker closes
+    p.b.close()
+    assert held.nbytes == 100
+    with pytest.raises(gpucx.ClosedError):
+        held.receive_into(bytearray(100))
+    del held, got
+    p.a.close()
+
+
+def test_context_without_am_feature():
+    with gpucx.Context(features={"tag"}) as ctx:
+        w = ctx.create_worker()
+        with pytest.raises(gpucx.UnsupportedError, match="am"):
+            w.set_am_handler(1, print)
+        ep = w.connect(w.address)
+        with pytest.raises(gpucx.UnsupportedError, match="am"):
+            ep.am_send_nb(1, b"x")
+        with pytest.raises(gpucx.UnsupportedError, match="am"):
+            ep.send_array(np.zeros(3))
+        with pytest.raises(gpucx.UnsupportedError, match="am"):
+            ep.recv_array(timeout=1)
+
+
+def test_reserved_range():
+    assert range(0xFF00, 0x10000) == _am.RESERVED_AM_IDS
+    assert _am.ARRAY_AM_ID in _am.RESERVED_AM_IDS
+    assert _am.MAX_USER_AM_ID == 0xFEFF
+
+
+# -- two processes -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("via_listener", [False, True], ids=["address", "listener"])
+def test_am_echo_across_processes(tls, via_listener):
+    from peers_am import BACK, ECHO, am_echo_peer
+
+    from conftest import channel_pair, join_ok, spawn, transport_config
+
+    if tls == "default" and via_listener:
+        pytest.skip("listener over default transports is covered by tcp/shm")
+    q, theirs = channel_pair()
+    child = spawn(am_echo_peer, tls, theirs, via_listener)
+    try:
+        with gpucx.Context(config=transport_config(tls, via_listener)) as ctx:
+            w = ctx.create_worker()
+            kind, where = q.get(60)
+            if via_listener:
+                ep = w.connect(("127.0.0.1", where))
+            else:
+                ep = w.connect(where)
+                q.put(w.address)
+            back = []
+            w.set_am_handler(BACK, back.append)
+            cases = [(0, None), (8, "eager"), (100_000, None), (4 << 20, "rndv")]
+            for i, (n, proto) in enumerate(cases):
+                src = np.random.default_rng(i).integers(0, 255, n, dtype=np.uint8)
+                ep.am_send(ECHO, src, header=b"case%d" % i, reply=True, proto=proto)
+                end = time.monotonic() + 60
+                while not back:
+                    w.progress()
+                    assert time.monotonic() < end, f"no echo for case {i}"
+                msg = back.pop()
+                assert msg.header == b"case%d" % i and msg.nbytes == n
+                if proto == "rndv":
+                    assert msg.is_rndv
+                out = np.zeros(n, np.uint8)
+                msg.receive_into(out).wait(60)
+                assert np.array_equal(out, src)
+            q.put(("bye", None))
+            _, transports = q.get(60)
+            names = {t for t, _ in transports} | {t for t, _ in ep.transports}
+            if tls == "tcp":
+                assert names <= {"tcp"}, names
+            if tls == "shm":
+                assert names & {"posix", "sysv"}, names
+            q.put("ok")
+    finally:
+        join_ok(child, 60)
+
+
+def test_multi_thread_worker_delivers_each_message_once():
+    """A "multi" worker progressed by two threads at once: the C queue is
+    locked, so each message reaches the handler exactly once."""
+    import threading
+
+    with gpucx.Context() as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ab = a.connect(b.address)
+        got = []
+        b.set_am_handler(1, lambda m: got.append(int.from_bytes(m.data, "little")))
+        n = 500
+        stop = threading.Event()
+
+        def spin():
+            while not stop.is_set():
+                b.progress()
+
+        threads = [threading.Thread(target=spin) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            reqs = [ab.am_send_nb(1, i.to_bytes(4, "little")) for i in range(n)]
+            end = time.monotonic() + 30
+            while len(got) < n or not all(r.done() for r in reqs):
+                a.progress()
+                assert time.monotonic() < end
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        assert sorted(got) == list(range(n))
+
+
+def test_internal_handlers_on_reserved_ids(pair):
+    got = []
+    _am.set_internal_handler(pair.b, 0xFF00, got.append)
+    pair.drive(_am.send_internal_nb(pair.ab, 0xFF00, b"note", header=b"n"))
+    pump(pair, lambda: got)
+    assert got[0].am_id == 0xFF00 and bytes(got[0].data) == b"note"
+    for bad in (5, _am.ARRAY_AM_ID):
+        with pytest.raises(ValueError, match="reserved"):
+            _am.set_internal_handler(pair.b, bad, print)
+    with pytest.raises(ValueError, match="reserved"):
+        _am.send_internal_nb(pair.ab, 5, b"x")
