@@ -363,9 +363,8 @@ def test_reserved_range():
 
 @pytest.mark.parametrize("via_listener", [False, True], ids=["address", "listener"])
 def test_am_echo_across_processes(tls, via_listener):
-    from peers_am import BACK, ECHO, am_echo_peer
-
     from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import BACK, ECHO, am_echo_peer
 
     if tls == "default" and via_listener:
         pytest.skip("listener over default transports is covered by tcp/shm")

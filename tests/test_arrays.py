@@ -239,9 +239,8 @@ def test_closed(pair):
 
 @pytest.mark.parametrize("tls_name", ["tcp", "shm"])
 def test_arrays_across_processes(tls_name):
-    from peers_am import am_echo_peer
-
     from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import am_echo_peer
 
     arrays = [sample(dt, (3, 2), i) for i, dt in enumerate(DTYPES)]
     arrays += [sample("float16", ()), np.zeros((0, 4), np.complex64)]

@@ -110,9 +110,8 @@ def test_closed(pair):
 
 @pytest.mark.parametrize("tls_name", ["tcp", "shm"])
 def test_stream_across_processes(tls_name):
-    from peers_am import am_echo_peer
-
     from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import am_echo_peer
 
     q, theirs = channel_pair()
     child = spawn(am_echo_peer, tls_name, theirs, False)
