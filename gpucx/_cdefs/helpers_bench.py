@@ -1,0 +1,18 @@
+"""gpucx/_csrc/bench.c: the timing loops behind ``gpucx bench``."""
+
+TYPES = """
+"""
+
+FUNCTIONS = """
+ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep, int send,
+                                    void *buf, size_t len, int mt, uint64_t tag,
+                                    uint64_t ack_tag, uint64_t iters,
+                                    unsigned window, uint64_t timeout_ns,
+                                    uint64_t *elapsed_ns);
+ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
+                                      int initiator, void *sbuf, int smt,
+                                      void *rbuf, int rmt, size_t len,
+                                      uint64_t tag, uint64_t iters,
+                                      uint64_t timeout_ns, uint64_t *rtt_ns,
+                                      uint64_t *elapsed_ns);
+"""

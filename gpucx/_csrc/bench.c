@@ -1,0 +1,228 @@
+/*
+ * gpucx bench: timing loops for `gpucx bench`.
+ *
+ * Appended after _ucx_helpers.c (one translation unit).  The loops post,
+ * progress and time whole runs of tag operations in C, so that the figures
+ * measure UCX and gpucx's buffers, not the Python interpreter: one
+ * Python->C crossing per measured point, none per message.
+ *
+ * Every loop has a deadline.  On timeout or failure the outstanding
+ * operations are canceled and drained; if UCX does not let go of them, their
+ * slots are leaked on purpose (never freed under UCX).
+ */
+
+/* Check the deadline once every this many progress calls. */
+#define GPUCX_BENCH_CHECK_MASK 1023
+
+typedef struct gpucx_bench_ctl {
+    ucp_worker_h worker;
+    uint64_t     deadline_ns; /* absolute CLOCK_MONOTONIC time */
+    unsigned     spins;
+} gpucx_bench_ctl_t;
+
+/* Progress until the slot completes or the deadline passes. */
+static inline ucs_status_t gpucx__bench_wait(gpucx_bench_ctl_t *c,
+                                             gpucx_slot_t *slot)
+{
+    while (slot->status == UCS_INPROGRESS) {
+        ucp_worker_progress(c->worker);
+        if ((++c->spins & GPUCX_BENCH_CHECK_MASK) == 0 &&
+            gpucx__now_ns() >= c->deadline_ns) {
+            return UCS_ERR_TIMED_OUT;
+        }
+    }
+    gpucx__release(slot);
+    return slot->status;
+}
+
+/* Cancel and drain what is still pending.  Returns 1 when UCX let go of
+ * every slot (they may be freed), 0 when some must be leaked. */
+static int gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
+                              unsigned n)
+{
+    uint64_t end;
+    unsigned i;
+    int      busy = 0;
+
+    for (i = 0; i < n; i++) {
+        gpucx_slot_cancel(c->worker, &slots[i]);
+    }
+    end = gpucx__now_ns() + 2000000000ull;
+    do {
+        ucp_worker_progress(c->worker);
+        busy = 0;
+        for (i = 0; i < n; i++) {
+            busy |= slots[i].status == UCS_INPROGRESS;
+        }
+    } while (busy && gpucx__now_ns() < end);
+    for (i = 0; i < n; i++) {
+        gpucx__release(&slots[i]);
+    }
+    return !busy;
+}
+
+static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
+                                             int send, void *buf, size_t len,
+                                             uint64_t tag, int mt,
+                                             gpucx_slot_t *slot)
+{
+    if (send) {
+        return gpucx_tag_send(ep, buf, len, tag, mt, 0, slot);
+    }
+    return gpucx_tag_recv(w, buf, len, tag, UINT64_MAX, mt, slot);
+}
+
+/* Bandwidth stream: `iters` sends (send=1) or receives (send=0) of `len`
+ * bytes with `tag`, at most `window` outstanding (a sliding window: a slot
+ * is reused as soon as its operation completed).  The receiving side then
+ * sends an 8-byte acknowledgement with `ack_tag`, and the sending side
+ * waits for it, so the sender's time covers delivery of the last byte.
+ * *elapsed_ns gets the time from the first post to the end. */
+static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
+                                           int send, void *buf, size_t len,
+                                           int mt, uint64_t tag,
+                                           uint64_t ack_tag, uint64_t iters,
+                                           unsigned window,
+                                           uint64_t timeout_ns,
+                                           uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t c;
+    gpucx_slot_t     *slots;
+    uint64_t         *ack;
+    uint64_t          i, t0;
+    ucs_status_t      st = UCS_OK;
+    unsigned          nslots;
+
+    if (window == 0) {
+        window = 1;
+    }
+    nslots = window + 1; /* the last slot carries the acknowledgement */
+    slots  = calloc(nslots, sizeof(*slots));
+    ack    = calloc(1, sizeof(*ack));
+    if (slots == NULL || ack == NULL) {
+        free(slots);
+        free(ack);
+        return UCS_ERR_NO_MEMORY;
+    }
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    if (send) {
+        /* Pre-post the acknowledgement receive: it is then expected. */
+        st = gpucx_tag_recv(worker, ack, sizeof(*ack), ack_tag, UINT64_MAX,
+                            UCS_MEMORY_TYPE_HOST, &slots[window]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        st = UCS_OK;
+    }
+    for (i = 0; i < iters; i++) {
+        gpucx_slot_t *s = &slots[i % window];
+
+        if (s->status == UCS_INPROGRESS) {
+            st = gpucx__bench_wait(&c, s);
+        } else {
+            gpucx__release(s);
+            st = s->status;
+        }
+        if (st != UCS_OK) {
+            goto out;
+        }
+        st = gpucx__bench_post(worker, ep, send, buf, len, tag, mt, s);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        /* Progress once per message, as ucx_perftest does: keeps the
+         * transport's queues moving while the window is not full. */
+        ucp_worker_progress(worker);
+    }
+    for (i = 0; i < window; i++) {
+        st = gpucx__bench_wait(&c, &slots[i]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+    }
+    if (!send) {
+        st = gpucx_tag_send(ep, ack, sizeof(*ack), ack_tag,
+                            UCS_MEMORY_TYPE_HOST, 0, &slots[window]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+    }
+    st = gpucx__bench_wait(&c, &slots[window]);
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, nslots)) {
+        return st; /* UCX still owns some slots: leak them */
+    }
+    free(slots);
+    free(ack);
+    return st;
+}
+
+/* Ping-pong: the initiator sends `len` bytes from sbuf and receives the
+ * echo into rbuf, `iters` times; the responder receives, then sends.  The
+ * initiator's receive is posted before its send.  When rtt_ns is not NULL
+ * the initiator stores each round trip there (ns).  *elapsed_ns gets the
+ * whole run. */
+static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
+                                             int initiator, void *sbuf,
+                                             int smt, void *rbuf, int rmt,
+                                             size_t len, uint64_t tag,
+                                             uint64_t iters,
+                                             uint64_t timeout_ns,
+                                             uint64_t *rtt_ns,
+                                             uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t c;
+    gpucx_slot_t     *slots;
+    uint64_t          i, t0, t;
+    ucs_status_t      st = UCS_OK;
+
+    slots = calloc(2, sizeof(*slots));
+    if (slots == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    for (i = 0; i < iters; i++) {
+        t  = gpucx__now_ns();
+        st = gpucx_tag_recv(worker, rbuf, len, tag, UINT64_MAX, rmt, &slots[0]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        if (!initiator) {
+            st = gpucx__bench_wait(&c, &slots[0]);
+            if (st != UCS_OK) {
+                goto out;
+            }
+        }
+        st = gpucx_tag_send(ep, sbuf, len, tag, smt, 0, &slots[1]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        st = gpucx__bench_wait(&c, &slots[1]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+        if (initiator) {
+            st = gpucx__bench_wait(&c, &slots[0]);
+            if (st != UCS_OK) {
+                goto out;
+            }
+            if (rtt_ns != NULL) {
+                rtt_ns[i] = gpucx__now_ns() - t;
+            }
+        }
+    }
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, 2)) {
+        return st;
+    }
+    free(slots);
+    return st;
+}
