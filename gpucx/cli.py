@@ -249,7 +249,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     _info_parser(sub)
     _bench_parser(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        # Report stray arguments under the subcommand's name, on one line.
+        owner = sub.choices.get(args.command, parser)
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "bench":

@@ -81,10 +81,12 @@ def parse_csv(text: str) -> dict:
                 continue
     if not rows:
         raise PerftestError(f"no figures in ucx_perftest output: {text[-300:]!r}")
-    it, _pct, _avg_lat, lat, _avg_bw, bw, _avg_mr, mr = rows[-1]
+    it, median, _avg_lat, lat, _avg_bw, bw, _avg_mr, mr = rows[-1]
     return {
         "iterations": int(it),
-        "latency_us": lat,
+        # The percentile column is the median (-R 50, the default).
+        "latency_us": median,
+        "latency_avg_us": lat,
         # ucx_perftest's MB is 2**20 bytes; gpucx reports GB = 1e9 bytes.
         "bandwidth_gbs": bw * (1 << 20) / 1e9,
         "msg_rate": mr,
@@ -152,7 +154,12 @@ def run_perftest(
                     f"ucx_perftest -t {test} -s {size} ran over {timeout} s"
                 ) from None
             if client.returncode == 0:
-                return parse_csv(client.stdout)
+                figures = parse_csv(client.stdout)
+                if figures["msg_rate"] > 0:
+                    # The CSV rounds MB/s to two decimals: derive bandwidth
+                    # from the message rate, which keeps small sizes exact.
+                    figures["bandwidth_gbs"] = figures["msg_rate"] * size / 1e9
+                return figures
             last = (client.stderr or client.stdout).strip().splitlines()
             last = last[-1] if last else f"exit code {client.returncode}"
         finally:

@@ -73,7 +73,7 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
         "msg/s",
     ]
     if with_perftest:
-        head += ["perftest lat us", "perftest GB/s", "gpucx/perftest"]
+        head += ["perftest lat med us", "perftest GB/s", "gpucx/perftest"]
     rows = [head]
     for r in results:
         row = [
@@ -117,8 +117,9 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
     ]
     if with_perftest:
         notes.append(
-            "gpucx/perftest: bandwidth ratio for *_bw tests, perftest latency / "
-            "gpucx latency for *_lat tests (1.00 = same speed, higher = gpucx faster)."
+            "gpucx/perftest: bandwidth ratio for *_bw tests, perftest median "
+            "latency / gpucx median latency for *_lat tests (1 = same speed, "
+            "higher = gpucx faster)."
         )
     return "\n".join(lines + notes)
 

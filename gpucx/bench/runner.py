@@ -177,8 +177,8 @@ def _ratio(r: dict) -> float | None:
     if r["kind"] == "bw":
         a, b = r["bandwidth_gbs"], pt.get("bandwidth_gbs")
         return a / b if a and b else None
-    a, b = r["latency_avg_us"], pt.get("latency_us")
-    # ucx_perftest's latency is an average: compare it with gpucx's average.
+    # Medians: on a shared host the averages are dominated by the outliers.
+    a, b = r["latency_us"], pt.get("latency_us")
     return b / a if a and b else None
 
 
