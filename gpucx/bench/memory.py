@@ -59,6 +59,8 @@ def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0):
     BenchSetupError
         If CUDA is asked for and unavailable.
     """
+    if kind not in MEMORY_KINDS:
+        raise BenchSetupError(f"bad --memory kind {kind!r}: use host or cuda")
     if kind == "host":
         arr = numpy.empty(max(nbytes, 1), numpy.uint8)[:nbytes]
         arr.fill(fill)
