@@ -269,6 +269,72 @@ def test_c_stream_reports_truncation(pair):
     assert st == lib.UCS_ERR_TIMED_OUT  # no acknowledgement came
 
 
+@pytest.mark.parametrize("get", [0, 1], ids=["put", "get"])
+@pytest.mark.parametrize("window", [1, 16])
+def test_c_rma_stream_moves_the_data(pair, tls, get, window):
+    size = 1 << 16
+    target = np.full(size, 3, np.uint8)
+    local = np.full(size, 9, np.uint8) if not get else np.zeros(size, np.uint8)
+    memh = ffi.new("ucp_mem_h *")
+    rkey_buf = ffi.new("void **")
+    rkey_len = ffi.new("size_t *")
+    rkey = ffi.new("ucp_rkey_h *")
+    ctx = pair.ctx
+    assert (
+        lib.gpucx_bench_map(
+            ctx._h, ffi.from_buffer(target), size, memh, rkey_buf, rkey_len
+        )
+        == lib.UCS_OK
+    )
+    try:
+        assert lib.gpucx_bench_rkey_unpack(pair.ab._h, rkey_buf[0], rkey) == 0
+        stop = threading.Event()
+        t = threading.Thread(
+            target=lambda: [pair.b.progress() for _ in iter(stop.is_set, True)]
+        )
+        t.start()
+        out = ffi.new("uint64_t *")
+        try:
+            st = lib.gpucx_bench_rma_stream(
+                pair.a._h,
+                pair.ab._h,
+                get,
+                ffi.from_buffer(local),
+                size,
+                HOST,
+                target.ctypes.data,
+                rkey[0],
+                20,
+                window,
+                20 * SECOND,
+                out,
+            )
+        finally:
+            stop.set()
+            t.join(30)
+        assert st == lib.UCS_OK and out[0] > 0
+        assert (target == 9).all() if not get else (local == 3).all()
+        lib.gpucx_bench_rkey_destroy(rkey[0])
+    finally:
+        lib.gpucx_bench_rkey_buffer_release(rkey_buf[0])
+        assert lib.gpucx_bench_unmap(ctx._h, memh[0]) == lib.UCS_OK
+
+
+def test_rkey_handle_only_takes_rkeys():
+    from gpucx.bench.suites import rkey_handle
+
+    class Fake:
+        _h = ffi.new("int *")
+
+    assert rkey_handle(object()) is None and rkey_handle(Fake()) is None
+    real = ffi.cast("ucp_rkey_h", 0)
+
+    class Key:
+        _h = real
+
+    assert rkey_handle(Key()) is real
+
+
 # -- the C loops across two processes ------------------------------------------------
 
 

@@ -226,3 +226,121 @@ out:
     free(slots);
     return st;
 }
+
+/* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between
+ * buf and remote_addr, at most `window` outstanding, then an endpoint flush
+ * (so the time covers remote completion).  *elapsed_ns gets the whole run. */
+static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
+                                           int get, void *buf, size_t len,
+                                           int mt, uint64_t remote_addr,
+                                           ucp_rkey_h rkey, uint64_t iters,
+                                           unsigned window,
+                                           uint64_t timeout_ns,
+                                           uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t   c;
+    gpucx_slot_t       *slots;
+    ucp_request_param_t p;
+    uint64_t            i, t0;
+    ucs_status_t        st = UCS_OK;
+    unsigned            nslots;
+
+    if (window == 0) {
+        window = 1;
+    }
+    nslots = window + 1; /* the last slot carries the flush */
+    slots  = calloc(nslots, sizeof(*slots));
+    if (slots == NULL) {
+        return UCS_ERR_NO_MEMORY;
+    }
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    for (i = 0; i < iters; i++) {
+        gpucx_slot_t *s = &slots[i % window];
+
+        if (s->status == UCS_INPROGRESS) {
+            st = gpucx__bench_wait(&c, s);
+        } else {
+            gpucx__release(s);
+            st = s->status;
+        }
+        if (st != UCS_OK) {
+            goto out;
+        }
+        gpucx__param_init(&p, s, mt);
+        p.cb.send = gpucx__send_cb;
+        st = gpucx__posted(s, get ? ucp_get_nbx(ep, buf, len, remote_addr, rkey, &p)
+                                  : ucp_put_nbx(ep, buf, len, remote_addr, rkey, &p));
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        ucp_worker_progress(worker);
+    }
+    for (i = 0; i < window; i++) {
+        st = gpucx__bench_wait(&c, &slots[i]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+    }
+    st = gpucx_ep_flush(ep, &slots[window]);
+    if (UCS_STATUS_IS_ERR(st)) {
+        goto out;
+    }
+    st = gpucx__bench_wait(&c, &slots[window]);
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, nslots)) {
+        return st;
+    }
+    free(slots);
+    return st;
+}
+
+/* Registration and remote keys for testing the RMA loop on its own (the
+ * product path gets them from gpucx's memory-region API).  *rkey_buf is
+ * released with gpucx_bench_rkey_buffer_release. */
+static ucs_status_t gpucx_bench_map(ucp_context_h ctx, void *addr, size_t len,
+                                    ucp_mem_h *memh, void **rkey_buf,
+                                    size_t *rkey_len)
+{
+    ucp_mem_map_params_t mp;
+    ucs_status_t         st;
+
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                    UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address    = addr;
+    mp.length     = len;
+    st            = ucp_mem_map(ctx, &mp, memh);
+    if (st != UCS_OK) {
+        return st;
+    }
+    st = ucp_rkey_pack(ctx, *memh, rkey_buf, rkey_len);
+    if (st != UCS_OK) {
+        ucp_mem_unmap(ctx, *memh);
+    }
+    return st;
+}
+
+static void gpucx_bench_rkey_buffer_release(void *rkey_buf)
+{
+    ucp_rkey_buffer_release(rkey_buf);
+}
+
+static ucs_status_t gpucx_bench_unmap(ucp_context_h ctx, ucp_mem_h memh)
+{
+    return ucp_mem_unmap(ctx, memh);
+}
+
+static ucs_status_t gpucx_bench_rkey_unpack(ucp_ep_h ep, const void *buf,
+                                            ucp_rkey_h *rkey)
+{
+    return ucp_ep_rkey_unpack(ep, buf, rkey);
+}
+
+static void gpucx_bench_rkey_destroy(ucp_rkey_h rkey)
+{
+    ucp_rkey_destroy(rkey);
+}

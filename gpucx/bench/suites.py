@@ -438,7 +438,10 @@ class _RmaBase(Bench):
     def prepare(self) -> dict:
         self.target = self.buffer()
         self.region = self.s.ctx.register(self.target)
-        return {"remote": self.region.remote().to_bytes().hex()}
+        return {
+            "remote": self.region.remote().to_bytes().hex(),
+            "address": int(self.region.address),
+        }
 
     def serve(self) -> None:
         # One-sided: the server only progresses until the client is done.
@@ -464,12 +467,55 @@ class _RmaBase(Bench):
         raise NotImplementedError
 
 
+def rkey_handle(rmem):
+    """The ``ucp_rkey_h`` of a RemoteKey, when it exposes one as ``_h``.
+
+    The RMA bandwidth tests then run their loop in C
+    (``gpucx_bench_rma_stream``); otherwise they post from Python.
+    """
+    h = getattr(rmem, "_h", None)
+    try:
+        return h if ffi.typeof(h) is ffi.typeof("ucp_rkey_h") else None
+    except TypeError:
+        return None
+
+
 class _RmaBw(_RmaBase):
     kind = "bw"
     latency_note = "time per message"
     op = ""
+    get = 0
+
+    def _c_phase(self, rmem, rkey, n: int) -> int:
+        ptr, nbytes, mt, keep = acquire(self.local, bool(self.get))
+        out = ffi.new("uint64_t *")
+        st = lib.gpucx_bench_rma_stream(
+            self.s.worker._h,
+            self.s.ep._h,
+            self.get,
+            ptr,
+            nbytes,
+            mt,
+            self.remote_addr,
+            rkey,
+            n,
+            self.p.window,
+            self.timeout_ns,
+            out,
+        )
+        del keep
+        if st != lib.UCS_OK:
+            raise_status(st, f"bench {self.name}", self.s.ep)
+        return out[0]
+
+    def run(self, extra: dict) -> dict:
+        self.remote_addr = int(extra["address"])
+        return super().run(extra)
 
     def _phase(self, rmem, n: int) -> int:
+        rkey = None if self.p.use_async else rkey_handle(rmem)
+        if rkey is not None:
+            return self._c_phase(rmem, rkey, n)
         ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
         post = getattr(ep, self.op)
         t0 = _perf_ns()
@@ -501,6 +547,7 @@ class GetBw(_RmaBw):
     perftest = "ucp_get"
     needs = _RmaBase.needs + ("Endpoint.get_nb",)
     op = "get_nb"
+    get = 1
 
 
 class PutLat(_RmaBase):
