@@ -257,7 +257,12 @@ def main(argv=None) -> int:
     if args.command == "info":
         return _cmd_info(args)
     if args.command == "bench":
-        return _cmd_bench(args)
+        try:
+            return _cmd_bench(args)
+        except KeyboardInterrupt:
+            # The peer process is killed by the session's cleanup.
+            print("gpucx bench: interrupted", file=sys.stderr)
+            return 130
     parser.print_help()
     return 2
 
