@@ -22,6 +22,8 @@ def c_loop_peer(tls, q, test, size, iters, window):
         out = ffi.new("uint64_t *")
         ptr = ffi.from_buffer(buf)
         mt = int(gpucx.MemoryType.HOST)
+        slots = ffi.new("gpucx_slot_t[]", window + 1)
+        ack = ffi.new("uint64_t *")
         if test == "stream":
             st = lib.gpucx_bench_tag_stream(
                 w._h,
@@ -35,6 +37,8 @@ def c_loop_peer(tls, q, test, size, iters, window):
                 iters,
                 window,
                 30 * 10**9,
+                slots,
+                ack,
                 out,
             )
         else:
@@ -51,6 +55,7 @@ def c_loop_peer(tls, q, test, size, iters, window):
                 DATA_TAG,
                 iters,
                 30 * 10**9,
+                slots,
                 ffi.NULL,
                 out,
             )

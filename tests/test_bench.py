@@ -168,8 +168,17 @@ def test_validate_rejects_unknown_and_bad_counts():
 # -- the C loops, two workers in one process -----------------------------------------
 
 
+def _park_pending(w, slots, n, keep):
+    """Never free a slot UCX still holds: park it on its worker."""
+    for i in range(n):
+        if slots[i].status == lib.UCS_INPROGRESS:
+            w._park(slots + i, (slots, keep))
+
+
 def _stream(w, ep, send, buf, iters, window, timeout_ns=20 * SECOND):
     out = ffi.new("uint64_t *")
+    slots = ffi.new("gpucx_slot_t[]", window + 1)
+    ack = ffi.new("uint64_t *")
     st = lib.gpucx_bench_tag_stream(
         w._h,
         ep._h if ep is not None else ffi.NULL,
@@ -182,14 +191,18 @@ def _stream(w, ep, send, buf, iters, window, timeout_ns=20 * SECOND):
         iters,
         window,
         timeout_ns,
+        slots,
+        ack,
         out,
     )
+    _park_pending(w, slots, window + 1, (buf, ack))
     return st, out[0]
 
 
 def _pingpong(w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND):
     out = ffi.new("uint64_t *")
     rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+    slots = ffi.new("gpucx_slot_t[]", 2)
     st = lib.gpucx_bench_tag_pingpong(
         w._h,
         ep._h,
@@ -202,9 +215,11 @@ def _pingpong(w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SEC
         DATA_TAG,
         iters,
         timeout_ns,
+        slots,
         rtt_p,
         out,
     )
+    _park_pending(w, slots, 2, (sbuf, rbuf, rtt))
     return st, out[0]
 
 
@@ -294,6 +309,7 @@ def test_c_rma_stream_moves_the_data(pair, tls, get, window):
         )
         t.start()
         out = ffi.new("uint64_t *")
+        slots = ffi.new("gpucx_slot_t[]", window + 1)
         try:
             st = lib.gpucx_bench_rma_stream(
                 pair.a._h,
@@ -307,6 +323,7 @@ def test_c_rma_stream_moves_the_data(pair, tls, get, window):
                 20,
                 window,
                 20 * SECOND,
+                slots,
                 out,
             )
         finally:

@@ -364,3 +364,26 @@ def test_test_without_its_api_exit_2(name):
     if need is None:
         pytest.skip(f"{name}: its API is present")
     one_line_error(gpucx("bench", "-t", name, timeout=60), name, need)
+
+
+def test_point_that_times_out_exits_1_cleanly():
+    """A point that overruns --timeout fails with exit code 1 and a last line
+    naming it; rendezvous sends UCX still holds are parked, never freed (no
+    crash at exit)."""
+    p = gpucx(
+        "bench",
+        "-t",
+        "tag_bw",
+        "-s",
+        "16M",
+        "-n",
+        "100",
+        "--timeout",
+        "0.01",
+        "--no-progress",
+        timeout=120,
+    )
+    assert p.returncode == 1, (p.returncode, p.stderr[-2000:])
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("gpucx bench: error: tag_bw 16M:"), last
+    assert "timed out" in last.lower()

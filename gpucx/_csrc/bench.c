@@ -6,9 +6,13 @@
  * measure UCX and gpucx's buffers, not the Python interpreter: one
  * Python->C crossing per measured point, none per message.
  *
- * Every loop has a deadline.  On timeout or failure the outstanding
- * operations are canceled and drained; if UCX does not let go of them, their
- * slots are leaked on purpose (never freed under UCX).
+ * Every loop has a deadline.  The caller owns the slot array (and the
+ * acknowledgement word): on timeout or failure, pending receives are
+ * canceled and drained for a bounded time; whatever UCX still holds then
+ * (a rendezvous send to a peer that stopped answering cannot be canceled)
+ * stays pending in its slot, and the Python side parks those slots on the
+ * worker, which settles them when the endpoint and worker close.  Slots
+ * with kind = 1 hold receives.
  */
 
 /* Check the deadline once every this many progress calls. */
@@ -35,30 +39,32 @@ static inline ucs_status_t gpucx__bench_wait(gpucx_bench_ctl_t *c,
     return slot->status;
 }
 
-/* Cancel and drain what is still pending.  Returns 1 when UCX let go of
- * every slot (they may be freed), 0 when some must be leaked. */
-static int gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
-                              unsigned n)
+/* Cancel pending receives (sends cannot be canceled reliably) and progress
+ * for a bounded time so that what can finish does; release finished
+ * requests.  Slots still pending stay for the caller to park. */
+static void gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
+                               unsigned n)
 {
     uint64_t end;
     unsigned i;
     int      busy = 0;
 
     for (i = 0; i < n; i++) {
-        gpucx_slot_cancel(c->worker, &slots[i]);
+        if (slots[i].kind == 1) {
+            gpucx_slot_cancel(c->worker, &slots[i]);
+        }
     }
-    end = gpucx__now_ns() + 2000000000ull;
+    end = gpucx__now_ns() + 1000000000ull;
     do {
         ucp_worker_progress(c->worker);
         busy = 0;
         for (i = 0; i < n; i++) {
-            busy |= slots[i].status == UCS_INPROGRESS;
+            busy |= slots[i].status == UCS_INPROGRESS && slots[i].kind == 1;
         }
     } while (busy && gpucx__now_ns() < end);
     for (i = 0; i < n; i++) {
         gpucx__release(&slots[i]);
     }
-    return !busy;
 }
 
 static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
@@ -66,6 +72,7 @@ static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
                                              uint64_t tag, int mt,
                                              gpucx_slot_t *slot)
 {
+    slot->kind = !send;
     if (send) {
         return gpucx_tag_send(ep, buf, len, tag, mt, 0, slot);
     }
@@ -77,39 +84,34 @@ static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
  * is reused as soon as its operation completed).  The receiving side then
  * sends an 8-byte acknowledgement with `ack_tag`, and the sending side
  * waits for it, so the sender's time covers delivery of the last byte.
- * *elapsed_ns gets the time from the first post to the end. */
+ * slots has window + 1 zeroed entries (the last one carries the
+ * acknowledgement, into *ack).  *elapsed_ns gets the time from the first
+ * post to the end. */
 static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
                                            int send, void *buf, size_t len,
                                            int mt, uint64_t tag,
                                            uint64_t ack_tag, uint64_t iters,
                                            unsigned window,
                                            uint64_t timeout_ns,
+                                           gpucx_slot_t *slots, uint64_t *ack,
                                            uint64_t *elapsed_ns)
 {
     gpucx_bench_ctl_t c;
-    gpucx_slot_t     *slots;
-    uint64_t         *ack;
     uint64_t          i, t0;
     ucs_status_t      st = UCS_OK;
     unsigned          nslots;
 
     if (window == 0) {
-        window = 1;
+        return UCS_ERR_INVALID_PARAM;
     }
-    nslots = window + 1; /* the last slot carries the acknowledgement */
-    slots  = calloc(nslots, sizeof(*slots));
-    ack    = calloc(1, sizeof(*ack));
-    if (slots == NULL || ack == NULL) {
-        free(slots);
-        free(ack);
-        return UCS_ERR_NO_MEMORY;
-    }
+    nslots = window + 1;
     t0            = gpucx__now_ns();
     c.worker      = worker;
     c.deadline_ns = t0 + timeout_ns;
     c.spins       = 0;
     if (send) {
         /* Pre-post the acknowledgement receive: it is then expected. */
+        slots[window].kind = 1;
         st = gpucx_tag_recv(worker, ack, sizeof(*ack), ack_tag, UINT64_MAX,
                             UCS_MEMORY_TYPE_HOST, &slots[window]);
         if (UCS_STATUS_IS_ERR(st)) {
@@ -153,37 +155,33 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
     *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, nslots)) {
-        return st; /* UCX still owns some slots: leak them */
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, nslots);
     }
-    free(slots);
-    free(ack);
     return st;
 }
 
 /* Ping-pong: the initiator sends `len` bytes from sbuf and receives the
  * echo into rbuf, `iters` times; the responder receives, then sends.  The
  * initiator's receive is posted before its send.  When rtt_ns is not NULL
- * the initiator stores each round trip there (ns).  *elapsed_ns gets the
- * whole run. */
+ * the initiator stores each round trip there (ns).  slots has 2 zeroed
+ * entries.  *elapsed_ns gets the whole run. */
 static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
                                              int initiator, void *sbuf,
                                              int smt, void *rbuf, int rmt,
                                              size_t len, uint64_t tag,
                                              uint64_t iters,
                                              uint64_t timeout_ns,
+                                             gpucx_slot_t *slots,
                                              uint64_t *rtt_ns,
                                              uint64_t *elapsed_ns)
 {
     gpucx_bench_ctl_t c;
-    gpucx_slot_t     *slots;
     uint64_t          i, t0, t;
     ucs_status_t      st = UCS_OK;
 
-    slots = calloc(2, sizeof(*slots));
-    if (slots == NULL) {
-        return UCS_ERR_NO_MEMORY;
-    }
+    slots[0].kind = 1;
+    slots[1].kind = 0;
     t0            = gpucx__now_ns();
     c.worker      = worker;
     c.deadline_ns = t0 + timeout_ns;
@@ -220,39 +218,35 @@ static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
     }
 out:
     *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, 2)) {
-        return st;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, 2);
     }
-    free(slots);
     return st;
 }
 
 /* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between
  * buf and remote_addr, at most `window` outstanding, then an endpoint flush
- * (so the time covers remote completion).  *elapsed_ns gets the whole run. */
+ * (so the time covers remote completion).  slots has window + 1 zeroed
+ * entries.  *elapsed_ns gets the whole run. */
 static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
                                            int get, void *buf, size_t len,
                                            int mt, uint64_t remote_addr,
                                            ucp_rkey_h rkey, uint64_t iters,
                                            unsigned window,
                                            uint64_t timeout_ns,
+                                           gpucx_slot_t *slots,
                                            uint64_t *elapsed_ns)
 {
     gpucx_bench_ctl_t   c;
-    gpucx_slot_t       *slots;
     ucp_request_param_t p;
     uint64_t            i, t0;
     ucs_status_t        st = UCS_OK;
     unsigned            nslots;
 
     if (window == 0) {
-        window = 1;
+        return UCS_ERR_INVALID_PARAM;
     }
     nslots = window + 1; /* the last slot carries the flush */
-    slots  = calloc(nslots, sizeof(*slots));
-    if (slots == NULL) {
-        return UCS_ERR_NO_MEMORY;
-    }
     t0            = gpucx__now_ns();
     c.worker      = worker;
     c.deadline_ns = t0 + timeout_ns;
@@ -291,10 +285,9 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
     *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK && !gpucx__bench_abort(&c, slots, nslots)) {
-        return st;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, nslots);
     }
-    free(slots);
     return st;
 }
 

@@ -10,7 +10,7 @@ import gpucx
 from . import perftest as _perftest
 from .memory import BenchSetupError, cuda_problem
 from .report import ProgressBar, environment, plot_problem
-from .session import Session, connect_remote, spawn_local
+from .session import PeerGone, Session, connect_remote, spawn_local
 from .sizes import format_size
 from .suites import DEFAULT_TESTS, TESTS, Params, missing_api
 
@@ -125,18 +125,25 @@ class BenchFailed(RuntimeError):
 
 
 def run_point(sess: Session, p: Params) -> dict:
-    """Measure one point; return its result record."""
-    reply = sess.call({"op": "run", "params": p.to_dict()})
-    if "error" in reply:
-        raise BenchFailed(f"{p.test} {format_size(p.size)}: {reply['error']}")
-    test = TESTS[p.test](sess, p, server=False)
+    """Measure one point; return its result record.
+
+    Raises
+    ------
+    BenchFailed
+        When either side fails, the peer goes away or the point times out.
+    """
+    where = f"{p.test} {format_size(p.size)}"
     try:
+        reply = sess.call({"op": "run", "params": p.to_dict()}, timeout=p.timeout)
+        if "error" in reply:
+            raise BenchFailed(f"{where}: {reply['error']}")
+        test = TESTS[p.test](sess, p, server=False)
         figures = test.run(reply)
-    except gpucx.UCXError as exc:
-        raise BenchFailed(f"{p.test} {format_size(p.size)}: {exc}") from exc
-    done = sess.recv_ctrl(p.timeout)
+        done = sess.recv_ctrl(p.timeout)
+    except (gpucx.UCXError, PeerGone) as exc:
+        raise BenchFailed(f"{where}: {exc}") from exc
     if "error" in done:
-        raise BenchFailed(f"{p.test} {format_size(p.size)}: {done['error']}")
+        raise BenchFailed(f"{where}: {done['error']}")
     return {
         "test": p.test,
         "kind": test.kind,
@@ -194,12 +201,16 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
     """
     validate(opts)
     points = plan(opts)
-    if opts.client is not None:
-        sess = connect_remote(
-            opts.client, opts.tls, opts.error_handling, opts.device, opts.timeout
-        )
-    else:
-        sess = spawn_local(opts.tls, opts.error_handling, opts.device, opts.timeout)
+    try:
+        if opts.client is not None:
+            sess = connect_remote(
+                opts.client, opts.tls, opts.error_handling, opts.device, opts.timeout
+            )
+        else:
+            sess = spawn_local(opts.tls, opts.error_handling, opts.device, opts.timeout)
+    except (gpucx.UCXError, PeerGone) as exc:
+        where = opts.client or "the local peer"
+        raise BenchFailed(f"cannot connect to {where}: {exc}") from exc
     results = []
     transports: list = []
     bar = ProgressBar(len(points), opts.progress, stream)

@@ -25,7 +25,7 @@ import gpucx
 
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
-from ..request import raise_status
+from ..request import INPROGRESS, raise_status
 from .memory import BenchSetupError, alloc
 from .session import ACK_TAG, DATA_TAG
 
@@ -139,6 +139,27 @@ class Bench:
         )
 
 
+def c_slots(n: int):
+    """Zeroed completion slots for a C timing loop."""
+    return ffi.new("gpucx_slot_t[]", n)
+
+
+def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
+    """After a C loop: raise its error, parking the slots UCX still holds.
+
+    A rendezvous send to a peer that stopped answering cannot be canceled:
+    its slot (and the buffers) are parked on the worker, which settles them
+    when the endpoint and the worker close.
+    """
+    if st == lib.UCS_OK:
+        return
+    w = sess.worker
+    for i in range(n):
+        if slots[i].status == INPROGRESS:
+            w._park(slots + i, (slots, keep))
+    raise_status(st, what, sess.ep)
+
+
 def missing_api(cls: type[Bench]) -> str | None:
     """The first public name ``cls`` needs that this gpucx lacks, or None."""
     owners = {
@@ -174,6 +195,7 @@ class TagLat(Bench):
         rp, _, rmt, rkeep = acquire(self.rbuf, True)
         out = ffi.new("uint64_t *")
         rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+        slots = c_slots(2)
         st = lib.gpucx_bench_tag_pingpong(
             self.s.worker._h,
             self.s.ep._h,
@@ -186,12 +208,11 @@ class TagLat(Bench):
             DATA_TAG,
             iters,
             self.timeout_ns,
+            slots,
             rtt_p,
             out,
         )
-        del skeep, rkeep
-        if st != lib.UCS_OK:
-            raise_status(st, f"bench {self.name}", self.s.ep)
+        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
 
     def _py_loop(self, initiator: bool, iters: int, rtt) -> None:
         w, ep = self.s.worker, self.s.ep
@@ -238,6 +259,9 @@ class TagBw(Bench):
     def _c_loop(self, send: int, iters: int) -> int:
         bp, n, mt, keep = acquire(self.buf, not send)
         out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
+        ack = ffi.new("uint64_t *")
         st = lib.gpucx_bench_tag_stream(
             self.s.worker._h,
             self.s.ep._h,
@@ -250,11 +274,11 @@ class TagBw(Bench):
             iters,
             self.p.window,
             self.timeout_ns,
+            slots,
+            ack,
             out,
         )
-        del keep
-        if st != lib.UCS_OK:
-            raise_status(st, f"bench {self.name}", self.s.ep)
+        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
         return out[0]
 
     def _py_loop(self, send: bool, iters: int) -> int:
@@ -489,6 +513,8 @@ class _RmaBw(_RmaBase):
     def _c_phase(self, rmem, rkey, n: int) -> int:
         ptr, nbytes, mt, keep = acquire(self.local, bool(self.get))
         out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
         st = lib.gpucx_bench_rma_stream(
             self.s.worker._h,
             self.s.ep._h,
@@ -501,11 +527,10 @@ class _RmaBw(_RmaBase):
             n,
             self.p.window,
             self.timeout_ns,
+            slots,
             out,
         )
-        del keep
-        if st != lib.UCS_OK:
-            raise_status(st, f"bench {self.name}", self.s.ep)
+        settle(self.s, st, slots, nslots, (keep, rmem), f"bench {self.name}")
         return out[0]
 
     def run(self, extra: dict) -> dict:
