@@ -55,6 +55,15 @@ def serve(sess: Session) -> None:
             test.cleanup()
 
 
+def _finish(sess: Session, ctx, ep) -> None:
+    """Close, or abandon after a failed C loop left UCX holding operations
+    (see :attr:`Session.tainted`)."""
+    if sess.tainted:
+        ctx._abandon("abandoned after a failed benchmark")
+    else:
+        ep.close(force=True)
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, (BenchSetupError, gpucx.UCXError, ValueError)):
         return f"peer: {exc}"
@@ -95,7 +104,7 @@ def serve_listener(
         except PeerGone as exc:
             print(f"gpucx bench server: {exc}", file=sys.stderr)
         finally:
-            ep.close(force=True)
+            _finish(sess, ctx, ep)
 
 
 def main(argv=None) -> int:
@@ -125,7 +134,7 @@ def main(argv=None) -> int:
         except PeerGone:
             return 1
         finally:
-            ep.close(force=True)
+            _finish(sess, ctx, ep)
     return 0
 
 

@@ -72,6 +72,11 @@ class Session:
         self._proc: subprocess.Popen | None = None
         #: Set once the peer acknowledged ``quit``: it then exits by itself.
         self.finished = False
+        #: Set when a failed C loop left operations UCX would not cancel
+        #: (rendezvous sends to a peer that gave up): tearing the worker
+        #: down under them can crash inside UCX, so close() abandons the
+        #: UCX handles instead (the memory stays with the process).
+        self.tainted = False
 
     # -- control messages ----------------------------------------------------
 
@@ -133,10 +138,13 @@ class Session:
     def close(self) -> None:
         """Close the endpoint, worker and context (and reap a child peer)."""
         try:
-            if self.ep is not None and not self.ep.closed:
+            if self.tainted:
+                self.ctx._abandon("abandoned after a failed benchmark")
+            elif self.ep is not None and not self.ep.closed:
                 self.ep.close(force=True)
         finally:
-            self.ctx.close()
+            if not self.tainted:
+                self.ctx.close()
             proc = self._proc
             if proc is not None:
                 try:

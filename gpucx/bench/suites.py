@@ -157,6 +157,7 @@ def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
     for i in range(n):
         if slots[i].status == INPROGRESS:
             w._park(slots + i, (slots, keep))
+            sess.tainted = True
     raise_status(st, what, sess.ep)
 
 
