@@ -258,7 +258,10 @@ def _cuda_usable() -> bool:
 
 
 @pytest.mark.skipif(_cuda_usable(), reason="this host has a usable GPU")
-@pytest.mark.parametrize("memory", ["cuda", "host:cuda", "cuda:host"])
+# ids must not be "cuda": conftest skips items with a "cuda" keyword.
+@pytest.mark.parametrize(
+    "memory", ["cuda", "host:cuda", "cuda:host"], ids=["both", "server", "client"]
+)
 def test_cuda_without_gpu_one_line_exit_2(memory):
     one_line_error(gpucx("bench", "-m", memory, timeout=60), "--memory cuda")
 
