@@ -1,0 +1,112 @@
+"""Reproducible comparison: gpucx bench vs ucx_perftest (vs ucxx if installed).
+
+Runs every (test, size) point ``--rounds`` times; each round measures gpucx
+(its own peer process, C timing loops) and then ``ucx_perftest`` (the
+wheel's, same iterations, warm-up, transports and peer error handling)
+right after, so that both see the same state of a noisy host.  Prints the
+median of each figure and of the per-round ratios, as a Markdown table.
+
+    python benchmarks/compare.py                    # tag_lat, tag_bw
+    python benchmarks/compare.py -t tag_bw -s 1M,16M --rounds 5 --tls sm,self
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+
+from gpucx.bench.report import environment
+from gpucx.bench.runner import BenchOptions, run_bench
+from gpucx.bench.sizes import format_size, parse_sizes
+
+
+def ucxx_status() -> str:
+    try:
+        import ucxx  # noqa: F401
+    except Exception as exc:
+        return f"not installable here ({type(exc).__name__}: {exc})"
+    return "installed (not measured by this script yet)"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-t", "--tests", default="tag_lat,tag_bw")
+    ap.add_argument("-s", "--sizes", default="8,64K,1M,16M")
+    ap.add_argument("-n", "--iters", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tls", default=None)
+    args = ap.parse_args(argv)
+    tests = tuple(t for t in args.tests.split(",") if t)
+    sizes = tuple(parse_sizes(args.sizes))
+    rows: dict[tuple[str, int], list[dict]] = {}
+    transports = []
+    t0 = time.time()
+    for rnd in range(args.rounds):
+        print(f"round {rnd + 1}/{args.rounds}", file=sys.stderr)
+        doc = run_bench(
+            BenchOptions(
+                tests=tests,
+                sizes=sizes,
+                iters=args.iters,
+                tls=args.tls,
+                vs_perftest=True,
+                progress=False,
+            )
+        )
+        transports = doc["environment"]["transports"]
+        for r in doc["results"]:
+            rows.setdefault((r["test"], r["size"]), []).append(r)
+    env = environment(transports, args.tls)
+    med = statistics.median
+    print(
+        f"gpucx {env['gpucx_version']}, UCX {env['ucx_version']}, "
+        f"{env['cpu']} x{env['cpu_count']}, GPUs: {env['gpus'] or 'none'}, "
+        f"Python {platform.python_version()}"
+    )
+    print(f"transports: {', '.join(sorted({f'{t}/{d}' for t, d in transports}))}")
+    print(
+        f"rounds: {args.rounds}, wall time {time.time() - t0:.0f} s, "
+        f"ucxx: {ucxx_status()}"
+    )
+    print()
+    print(
+        "| test | size | iters | gpucx lat med us | perftest lat med us "
+        "| gpucx GB/s | perftest GB/s | gpucx/perftest (median of rounds) "
+        "| per-round ratios |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (test, size), rs in rows.items():
+        ratios = [r["ratio"] for r in rs if r.get("ratio")]
+        lat = [r["latency_us"] for r in rs if r["latency_us"] is not None]
+        plat = [
+            r["perftest"].get("latency_us")
+            for r in rs
+            if r["perftest"].get("latency_us") is not None
+        ]
+        print(
+            f"| {test} | {format_size(size)} | {rs[0]['iters']} "
+            f"| {med(lat):.2f} | {med(plat):.2f} "
+            if lat and plat
+            else f"| {test} | {format_size(size)} | {rs[0]['iters']} | - | - ",
+            end="",
+        )
+        print(
+            f"| {med(r['bandwidth_gbs'] for r in rs):.3f} "
+            f"| {med(r['perftest'].get('bandwidth_gbs', 0) for r in rs):.3f} "
+            f"| {med(ratios):.2f} | {', '.join(f'{x:.2f}' for x in ratios)} |"
+            if ratios
+            else "| - | - | - | - |"
+        )
+    print()
+    print(
+        "Ratio: bandwidth ratio for *_bw, perftest median latency / gpucx median "
+        "latency for *_lat (1 = same, higher = gpucx faster)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+/*
+ * gpucx bench: timing loops for `gpucx bench`.
+ *
+ * Appended after _ucx_helpers.c (one translation unit).  The loops post,
+ * progress and time whole runs of tag operations in C, so that the figures
+ * measure UCX and gpucx's buffers, not the Python interpreter: one
+ * Python->C crossing per measured point, none per message.
+ *
+ * Every loop has a deadline.  The caller owns the slot array (and the
+ * acknowledgement word): on timeout or failure, pending receives are
+ * canceled and drained for a bounded time; whatever UCX still holds then
+ * (a rendezvous send to a peer that stopped answering cannot be canceled)
+ * stays pending in its slot, and the Python side parks those slots on the
+ * worker, which settles them when the endpoint and worker close.  Slots
+ * with kind = 1 hold receives.
+ */
+
+/* Check the deadline once every this many progress calls. */
+#define GPUCX_BENCH_CHECK_MASK 1023
+
+typedef struct gpucx_bench_ctl {
+    ucp_worker_h worker;
+    uint64_t     deadline_ns; /* absolute CLOCK_MONOTONIC time */
+    unsigned     spins;
+} gpucx_bench_ctl_t;
+
+/* Progress until the slot completes or the deadline passes. */
+static inline ucs_status_t gpucx__bench_wait(gpucx_bench_ctl_t *c,
+                                             gpucx_slot_t *slot)
+{
+    while (slot->status == UCS_INPROGRESS) {
+        ucp_worker_progress(c->worker);
+        if ((++c->spins & GPUCX_BENCH_CHECK_MASK) == 0 &&
+            gpucx__now_ns() >= c->deadline_ns) {
+            return UCS_ERR_TIMED_OUT;
+        }
+    }
+    gpucx__release(slot);
+    return slot->status;
+}
+
+/* Cancel pending receives (sends cannot be canceled reliably) and progress
+ * for a bounded time so that what can finish does; release finished
+ * requests.  Slots still pending stay for the caller to park. */
+static void gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
+                               unsigned n)
+{
+    uint64_t end;
+    unsigned i;
+    int      busy = 0;
+
+    for (i = 0; i < n; i++) {
+        if (slots[i].kind == 1) {
+            gpucx_slot_cancel(c->worker, &slots[i]);
+        }
+    }
+    end = gpucx__now_ns() + 1000000000ull;
+    do {
+        ucp_worker_progress(c->worker);
+        busy = 0;
+        for (i = 0; i < n; i++) {
+            busy |= slots[i].status == UCS_INPROGRESS && slots[i].kind == 1;
+        }
+    } while (busy && gpucx__now_ns() < end);
+    for (i = 0; i < n; i++) {
+        gpucx__release(&slots[i]);
+    }
+}
+
+static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
+                                             int send, void *buf, size_t len,
+                                             uint64_t tag, int mt,
+                                             gpucx_slot_t *slot)
+{
+    slot->kind = !send;
+    if (send) {
+        return gpucx_tag_send(ep, buf, len, tag, mt, 0, slot);
+    }
+    return gpucx_tag_recv(w, buf, len, tag, UINT64_MAX, mt, slot);
+}
+
+/* Bandwidth stream: `iters` sends (send=1) or receives (send=0) of `len`
+ * bytes with `tag`, at most `window` outstanding (a sliding window: a slot
+ * is reused as soon as its operation completed).  The receiving side then
+ * sends an 8-byte acknowledgement with `ack_tag`, and the sending side
+ * waits for it, so the sender's time covers delivery of the last byte.
+ * slots has window + 1 zeroed entries (the last one carries the
+ * acknowledgement, into *ack).  *elapsed_ns gets the time from the first
+ * post to the end. */
+static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
+                                           int send, void *buf, size_t len,
+                                           int mt, uint64_t tag,
+                                           uint64_t ack_tag, uint64_t iters,
+                                           unsigned window,
+                                           uint64_t timeout_ns,
+                                           gpucx_slot_t *slots, uint64_t *ack,
+                                           uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t c;
+    uint64_t          i, t0;
+    ucs_status_t      st = UCS_OK;
+    unsigned          nslots;
+
+    if (window == 0) {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    nslots = window + 1;
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    if (send) {
+        /* Pre-post the acknowledgement receive: it is then expected. */
+        slots[window].kind = 1;
+        st = gpucx_tag_recv(worker, ack, sizeof(*ack), ack_tag, UINT64_MAX,
+                            UCS_MEMORY_TYPE_HOST, &slots[window]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        st = UCS_OK;
+    }
+    for (i = 0; i < iters; i++) {
+        gpucx_slot_t *s = &slots[i % window];
+
+        if (s->status == UCS_INPROGRESS) {
+            st = gpucx__bench_wait(&c, s);
+        } else {
+            gpucx__release(s);
+            st = s->status;
+        }
+        if (st != UCS_OK) {
+            goto out;
+        }
+        st = gpucx__bench_post(worker, ep, send, buf, len, tag, mt, s);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        /* Progress once per message, as ucx_perftest does: keeps the
+         * transport's queues moving while the window is not full. */
+        ucp_worker_progress(worker);
+    }
+    for (i = 0; i < window; i++) {
+        st = gpucx__bench_wait(&c, &slots[i]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+    }
+    if (!send) {
+        st = gpucx_tag_send(ep, ack, sizeof(*ack), ack_tag,
+                            UCS_MEMORY_TYPE_HOST, 0, &slots[window]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+    }
+    st = gpucx__bench_wait(&c, &slots[window]);
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, nslots);
+    }
+    return st;
+}
+
+/* Ping-pong: the initiator sends `len` bytes from sbuf and receives the
+ * echo into rbuf, `iters` times; the responder receives, then sends.  The
+ * initiator's receive is posted before its send.  When rtt_ns is not NULL
+ * the initiator stores each round trip there (ns).  slots has 2 zeroed
+ * entries.  *elapsed_ns gets the whole run. */
+static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
+                                             int initiator, void *sbuf,
+                                             int smt, void *rbuf, int rmt,
+                                             size_t len, uint64_t tag,
+                                             uint64_t iters,
+                                             uint64_t timeout_ns,
+                                             gpucx_slot_t *slots,
+                                             uint64_t *rtt_ns,
+                                             uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t c;
+    uint64_t          i, t0, t;
+    ucs_status_t      st = UCS_OK;
+
+    slots[0].kind = 1;
+    slots[1].kind = 0;
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    for (i = 0; i < iters; i++) {
+        t  = gpucx__now_ns();
+        st = gpucx_tag_recv(worker, rbuf, len, tag, UINT64_MAX, rmt, &slots[0]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        if (!initiator) {
+            st = gpucx__bench_wait(&c, &slots[0]);
+            if (st != UCS_OK) {
+                goto out;
+            }
+        }
+        st = gpucx_tag_send(ep, sbuf, len, tag, smt, 0, &slots[1]);
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        st = gpucx__bench_wait(&c, &slots[1]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+        if (initiator) {
+            st = gpucx__bench_wait(&c, &slots[0]);
+            if (st != UCS_OK) {
+                goto out;
+            }
+            if (rtt_ns != NULL) {
+                rtt_ns[i] = gpucx__now_ns() - t;
+            }
+        }
+    }
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, 2);
+    }
+    return st;
+}
+
+/* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between
+ * buf and remote_addr, at most `window` outstanding, then an endpoint flush
+ * (so the time covers remote completion).  slots has window + 1 zeroed
+ * entries.  *elapsed_ns gets the whole run. */
+static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
+                                           int get, void *buf, size_t len,
+                                           int mt, uint64_t remote_addr,
+                                           ucp_rkey_h rkey, uint64_t iters,
+                                           unsigned window,
+                                           uint64_t timeout_ns,
+                                           gpucx_slot_t *slots,
+                                           uint64_t *elapsed_ns)
+{
+    gpucx_bench_ctl_t   c;
+    ucp_request_param_t p;
+    uint64_t            i, t0;
+    ucs_status_t        st = UCS_OK;
+    unsigned            nslots;
+
+    if (window == 0) {
+        return UCS_ERR_INVALID_PARAM;
+    }
+    nslots = window + 1; /* the last slot carries the flush */
+    t0            = gpucx__now_ns();
+    c.worker      = worker;
+    c.deadline_ns = t0 + timeout_ns;
+    c.spins       = 0;
+    for (i = 0; i < iters; i++) {
+        gpucx_slot_t *s = &slots[i % window];
+
+        if (s->status == UCS_INPROGRESS) {
+            st = gpucx__bench_wait(&c, s);
+        } else {
+            gpucx__release(s);
+            st = s->status;
+        }
+        if (st != UCS_OK) {
+            goto out;
+        }
+        gpucx__param_init(&p, s, mt);
+        p.cb.send = gpucx__send_cb;
+        st = gpucx__posted(s, get ? ucp_get_nbx(ep, buf, len, remote_addr, rkey, &p)
+                                  : ucp_put_nbx(ep, buf, len, remote_addr, rkey, &p));
+        if (UCS_STATUS_IS_ERR(st)) {
+            goto out;
+        }
+        ucp_worker_progress(worker);
+    }
+    for (i = 0; i < window; i++) {
+        st = gpucx__bench_wait(&c, &slots[i]);
+        if (st != UCS_OK) {
+            goto out;
+        }
+    }
+    st = gpucx_ep_flush(ep, &slots[window]);
+    if (UCS_STATUS_IS_ERR(st)) {
+        goto out;
+    }
+    st = gpucx__bench_wait(&c, &slots[window]);
+out:
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(&c, slots, nslots);
+    }
+    return st;
+}
+
+/* Registration and remote keys for testing the RMA loop on its own (the
+ * product path gets them from gpucx's memory-region API).  *rkey_buf is
+ * released with gpucx_bench_rkey_buffer_release. */
+static ucs_status_t gpucx_bench_map(ucp_context_h ctx, void *addr, size_t len,
+                                    ucp_mem_h *memh, void **rkey_buf,
+                                    size_t *rkey_len)
+{
+    ucp_mem_map_params_t mp;
+    ucs_status_t         st;
+
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
+                    UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address    = addr;
+    mp.length     = len;
+    st            = ucp_mem_map(ctx, &mp, memh);
+    if (st != UCS_OK) {
+        return st;
+    }
+    st = ucp_rkey_pack(ctx, *memh, rkey_buf, rkey_len);
+    if (st != UCS_OK) {
+        ucp_mem_unmap(ctx, *memh);
+    }
+    return st;
+}
+
+static void gpucx_bench_rkey_buffer_release(void *rkey_buf)
+{
+    ucp_rkey_buffer_release(rkey_buf);
+}
+
+static ucs_status_t gpucx_bench_unmap(ucp_context_h ctx, ucp_mem_h memh)
+{
+    return ucp_mem_unmap(ctx, memh);
+}
+
+static ucs_status_t gpucx_bench_rkey_unpack(ucp_ep_h ep, const void *buf,
+                                            ucp_rkey_h *rkey)
+{
+    return ucp_ep_rkey_unpack(ep, buf, rkey);
+}
+
+static void gpucx_bench_rkey_destroy(ucp_rkey_h rkey)
+{
+    ucp_rkey_destroy(rkey);
+}

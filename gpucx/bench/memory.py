@@ -1,0 +1,76 @@
+"""Buffers for the benchmark: host (NumPy) or CUDA (CuPy) memory."""
+
+from __future__ import annotations
+
+import numpy
+
+__all__ = ["MEMORY_KINDS", "BenchSetupError", "parse_memory", "cuda_problem", "alloc"]
+
+MEMORY_KINDS = ("host", "cuda")
+
+
+class BenchSetupError(Exception):
+    """The benchmark cannot run as asked (bad arguments, missing API or GPU).
+
+    The CLI prints the message on one line and exits with code 2.
+    """
+
+
+def parse_memory(text: str) -> tuple[str, str]:
+    """``"host"`` -> (host, host); ``"host:cuda"`` -> (client, server) kinds.
+
+    Raises
+    ------
+    BenchSetupError
+        For a kind other than ``host`` or ``cuda``, or more than two.
+    """
+    parts = [p.strip().lower() for p in text.split(":")]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(p not in MEMORY_KINDS for p in parts):
+        raise BenchSetupError(
+            f"bad --memory {text!r}: use host, cuda, or CLIENT:SERVER such as host:cuda"
+        )
+    return parts[0], parts[1]
+
+
+def cuda_problem(device: int = 0) -> str | None:
+    """Why CUDA buffers cannot be made here, or None when they can."""
+    try:
+        import cupy
+    except Exception:
+        return "--memory cuda needs CuPy (pip install 'gpucx[cuda12]') and a GPU"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"--memory cuda: no usable CUDA GPU here ({exc})".replace("\n", " ")
+    if count < 1:
+        return "--memory cuda: no CUDA GPU found"
+    if not 0 <= device < count:
+        return f"--device {device}: this host has {count} CUDA GPU(s)"
+    return None
+
+
+def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0):
+    """A contiguous ``uint8`` array of ``nbytes`` in ``kind`` memory.
+
+    Raises
+    ------
+    BenchSetupError
+        If CUDA is asked for and unavailable.
+    """
+    if kind not in MEMORY_KINDS:
+        raise BenchSetupError(f"bad --memory kind {kind!r}: use host or cuda")
+    if kind == "host":
+        arr = numpy.empty(max(nbytes, 1), numpy.uint8)[:nbytes]
+        arr.fill(fill)
+        return arr
+    problem = cuda_problem(device)
+    if problem:
+        raise BenchSetupError(problem)
+    import cupy
+
+    with cupy.cuda.Device(device):
+        arr = cupy.full(nbytes, fill, dtype=cupy.uint8)
+        cupy.cuda.runtime.deviceSynchronize()
+    return arr

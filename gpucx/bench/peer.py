@@ -1,0 +1,142 @@
+"""The serving side of ``gpucx bench``.
+
+Run as ``python -m gpucx.bench.peer`` by the client itself (worker
+addresses over stdin/stdout), or through ``gpucx bench --server`` (a
+Listener) for runs between two hosts.  It answers the client's control
+messages and runs its half of each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+import gpucx
+
+from .memory import BenchSetupError
+from .session import PeerGone, Session, context_config
+from .suites import TESTS, Params
+
+__all__ = ["serve", "serve_listener", "main"]
+
+
+def serve(sess: Session) -> None:
+    """Answer control messages until the client says ``quit``."""
+    while True:
+        cmd = sess.recv_ctrl(None)
+        op = cmd.get("op")
+        if op == "quit":
+            sess.send_ctrl({"ok": True})
+            return
+        if op == "hello":
+            sess.send_ctrl({"ok": True, "version": gpucx.__version__})
+            continue
+        if op != "run":
+            sess.send_ctrl({"error": f"unknown control message {op!r}"})
+            continue
+        try:
+            params = Params.from_dict(cmd["params"])
+            test = TESTS[params.test](sess, params, server=True)
+            extra = test.prepare()
+        except Exception as exc:
+            sess.send_ctrl({"error": _describe(exc)})
+            continue
+        sess.send_ctrl({"ok": True, **extra})
+        try:
+            test.serve()
+        except PeerGone:
+            raise
+        except Exception as exc:
+            sess.send_ctrl({"error": _describe(exc)})
+        else:
+            sess.send_ctrl({"ok": True})
+        finally:
+            test.cleanup()
+
+
+def _finish(sess: Session, ctx, ep) -> None:
+    """Close, or abandon after a failed C loop left UCX holding operations
+    (see :attr:`Session.tainted`)."""
+    if sess.tainted:
+        ctx._abandon("abandoned after a failed benchmark")
+    else:
+        ep.close(force=True)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, (BenchSetupError, gpucx.UCXError, ValueError)):
+        return f"peer: {exc}"
+    return "peer: " + "".join(traceback.format_exception_only(exc)).strip()
+
+
+def _use_device(device: int) -> None:
+    try:
+        import cupy
+    except ImportError:
+        return
+    try:
+        cupy.cuda.Device(device).use()
+    except Exception:
+        pass
+
+
+def serve_listener(
+    host: str,
+    port: int,
+    tls: str | None,
+    error_handling: bool,
+    device: int,
+    timeout: float,
+    out=sys.stdout,
+) -> None:
+    """``gpucx bench --server``: accept one client and serve it."""
+    with gpucx.Context(config=context_config(tls, listener=True)) as ctx:
+        w = ctx.create_worker()
+        lst = w.listen(port=port, host=host)
+        print(
+            f"gpucx bench server listening on {host}:{lst.port}", file=out, flush=True
+        )
+        ep = lst.accept()
+        sess = Session(ctx, w, ep, role="server", device=device, timeout=timeout)
+        try:
+            serve(sess)
+        except PeerGone as exc:
+            print(f"gpucx bench server: {exc}", file=sys.stderr)
+        finally:
+            _finish(sess, ctx, ep)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpucx.bench.peer")
+    ap.add_argument("--parent-pid", type=int, required=True)
+    ap.add_argument("--tls", default=None)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--no-error-handling", action="store_true")
+    args = ap.parse_args(argv)
+    _use_device(args.device)
+    eh = not args.no_error_handling
+    with gpucx.Context(config=context_config(args.tls)) as ctx:
+        w = ctx.create_worker()
+        stdout = sys.stdout.buffer
+        stdout.write(f"ADDRESS {w.address.hex()}\n".encode())
+        stdout.flush()
+        line = sys.stdin.readline().split()
+        if len(line) != 2 or line[0] != "ADDRESS":
+            print("gpucx bench peer: no address from the client", file=sys.stderr)
+            return 1
+        ep = w.connect(bytes.fromhex(line[1]), error_handling=eh)
+        sess = Session(
+            ctx, w, ep, role="server", device=args.device, parent_pid=args.parent_pid
+        )
+        try:
+            serve(sess)
+        except PeerGone:
+            return 1
+        finally:
+            _finish(sess, ctx, ep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""The client side of ``gpucx bench``: plan the points, run them, collect."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import gpucx
+
+from . import perftest as _perftest
+from .memory import BenchSetupError, cuda_problem
+from .report import ProgressBar, environment, plot_problem
+from .session import PeerGone, Session, connect_remote, spawn_local
+from .sizes import format_size
+from .suites import DEFAULT_TESTS, TESTS, Params, missing_api
+
+__all__ = ["BenchOptions", "validate", "plan", "run_bench", "default_iters"]
+
+#: Sizes plain ``gpucx bench`` measures.
+DEFAULT_SIZES = (8, 1 << 20)
+
+
+@dataclasses.dataclass
+class BenchOptions:
+    tests: tuple[str, ...] = DEFAULT_TESTS
+    sizes: tuple[int, ...] | None = None
+    iters: int | None = None
+    warmup: int | None = None
+    window: int = 32
+    memory: tuple[str, str] = ("host", "host")
+    device: int = 0
+    use_async: bool = False
+    tls: str | None = None
+    error_handling: bool = True
+    client: str | None = None
+    timeout: float = 120.0
+    vs_perftest: bool = False
+    plot: str | None = None
+    progress: bool = True
+
+
+def default_iters(size: int, kind: str) -> int:
+    """Iterations for a point: many small messages, fewer large ones, so
+    each point takes well under a second on a laptop-class host."""
+    budget = (64 << 20) if kind == "lat" else (256 << 20)
+    return max(100, min(10000, budget // max(size, 1)))
+
+
+def validate(opts: BenchOptions) -> None:
+    """Refuse what cannot run, before any process starts.
+
+    Raises
+    ------
+    BenchSetupError
+        Unknown test, missing API, CUDA without a GPU, no matplotlib for
+        ``--plot``, no ucx_perftest for ``--vs-perftest``, bad counts.
+    """
+    if not opts.tests:
+        raise BenchSetupError("no test given")
+    for name in opts.tests:
+        if name not in TESTS:
+            raise BenchSetupError(
+                f"unknown test {name!r}: choose from {', '.join(TESTS)}"
+            )
+        need = missing_api(TESTS[name])
+        if need is not None:
+            raise BenchSetupError(
+                f"test {name} needs gpucx.{need}, which this gpucx build does not have"
+            )
+    if opts.iters is not None and opts.iters < 1:
+        raise BenchSetupError(f"--iters must be >= 1, not {opts.iters}")
+    if opts.warmup is not None and opts.warmup < 0:
+        raise BenchSetupError(f"--warmup must be >= 0, not {opts.warmup}")
+    if opts.window < 1:
+        raise BenchSetupError(f"--window must be >= 1, not {opts.window}")
+    if opts.device < 0:
+        raise BenchSetupError(f"--device must be >= 0, not {opts.device}")
+    kinds = set(opts.memory) if opts.client is None else {opts.memory[0]}
+    if "cuda" in kinds:
+        problem = cuda_problem(opts.device)
+        if problem:
+            raise BenchSetupError(problem)
+    if opts.plot:
+        problem = plot_problem()
+        if problem:
+            raise BenchSetupError(problem)
+    if opts.vs_perftest:
+        if opts.client is not None:
+            raise BenchSetupError(
+                "--vs-perftest runs ucx_perftest on this host; it cannot be "
+                "combined with --client"
+            )
+        _perftest.perftest_binary()
+
+
+def plan(opts: BenchOptions) -> list[Params]:
+    """Every point to measure, in order."""
+    points = []
+    for name in opts.tests:
+        cls = TESTS[name]
+        sizes = opts.sizes or DEFAULT_SIZES
+        if cls.fixed_sizes is not None:
+            sizes = cls.fixed_sizes
+        for size in sizes:
+            iters = opts.iters or default_iters(size, cls.kind)
+            warmup = opts.warmup if opts.warmup is not None else max(10, iters // 10)
+            points.append(
+                Params(
+                    test=name,
+                    size=size,
+                    iters=iters,
+                    warmup=warmup,
+                    window=opts.window,
+                    client_mem=opts.memory[0],
+                    server_mem=opts.memory[1],
+                    use_async=opts.use_async,
+                    timeout=opts.timeout,
+                )
+            )
+    return points
+
+
+class BenchFailed(RuntimeError):
+    """A point failed while running (the message names it)."""
+
+
+def run_point(sess: Session, p: Params) -> dict:
+    """Measure one point; return its result record.
+
+    Raises
+    ------
+    BenchFailed
+        When either side fails, the peer goes away or the point times out.
+    """
+    where = f"{p.test} {format_size(p.size)}"
+    try:
+        reply = sess.call({"op": "run", "params": p.to_dict()}, timeout=p.timeout)
+        if "error" in reply:
+            raise BenchFailed(f"{where}: {reply['error']}")
+        test = TESTS[p.test](sess, p, server=False)
+        figures = test.run(reply)
+        done = sess.recv_ctrl(p.timeout)
+    except (gpucx.UCXError, PeerGone) as exc:
+        raise BenchFailed(f"{where}: {exc}") from exc
+    if "error" in done:
+        raise BenchFailed(f"{where}: {done['error']}")
+    return {
+        "test": p.test,
+        "kind": test.kind,
+        "size": p.size,
+        "iters": p.iters,
+        "warmup": p.warmup,
+        "window": p.window if test.kind == "bw" else 1,
+        "memory": f"{p.client_mem}:{p.server_mem}",
+        "mode": "async" if p.use_async else "blocking",
+        "latency_note": test.latency_note,
+        **figures,
+    }
+
+
+def _perftest_point(opts: BenchOptions, r: dict) -> dict:
+    cls = TESTS[r["test"]]
+    if cls.perftest is None:
+        return {"error": "no ucx_perftest equivalent"}
+    try:
+        pt = _perftest.run_perftest(
+            cls.perftest,
+            r["size"],
+            r["iters"],
+            r["warmup"],
+            tls=opts.tls,
+            error_handling=opts.error_handling,
+            memory=opts.memory,
+            timeout=opts.timeout,
+        )
+    except _perftest.PerftestError as exc:
+        return {"error": str(exc)}
+    pt["test"] = cls.perftest
+    return pt
+
+
+def _ratio(r: dict) -> float | None:
+    pt = r.get("perftest") or {}
+    if r["kind"] == "bw":
+        a, b = r["bandwidth_gbs"], pt.get("bandwidth_gbs")
+        return a / b if a and b else None
+    # Medians: on a shared host the averages are dominated by the outliers.
+    a, b = r["latency_us"], pt.get("latency_us")
+    return b / a if a and b else None
+
+
+def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
+    """Run every point and return the JSON-ready document.
+
+    Raises
+    ------
+    BenchSetupError
+        See :func:`validate`.
+    BenchFailed
+        When a point fails (the message names it).
+    """
+    validate(opts)
+    points = plan(opts)
+    try:
+        if opts.client is not None:
+            sess = connect_remote(
+                opts.client, opts.tls, opts.error_handling, opts.device, opts.timeout
+            )
+        else:
+            sess = spawn_local(opts.tls, opts.error_handling, opts.device, opts.timeout)
+    except (gpucx.UCXError, PeerGone) as exc:
+        where = opts.client or "the local peer"
+        raise BenchFailed(f"cannot connect to {where}: {exc}") from exc
+    results = []
+    transports: list = []
+    bar = ProgressBar(len(points), opts.progress, stream)
+    try:
+        for p in points:
+            r = run_point(sess, p)
+            if not transports:
+                try:
+                    transports = sess.ep.transports
+                except gpucx.UCXError:
+                    transports = []
+            if opts.vs_perftest:
+                r["perftest"] = _perftest_point(opts, r)
+                r["ratio"] = _ratio(r)
+            results.append(r)
+            bar.update(f"{p.test} {format_size(p.size)}")
+        sess.call({"op": "quit"}, timeout=30)
+        sess.finished = True
+    finally:
+        bar.close()
+        sess.close()
+    return {
+        "environment": environment(transports, opts.tls),
+        "options": {
+            **dataclasses.asdict(opts),
+            "tests": list(opts.tests),
+            "sizes": list(opts.sizes) if opts.sizes else None,
+        },
+        "results": results,
+    }

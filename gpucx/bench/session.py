@@ -1,0 +1,253 @@
+"""A connected benchmark pair: control messages and peer setup.
+
+Both sides of ``gpucx bench`` talk over UCX itself: control messages are
+small JSON documents sent as tag messages with :data:`CTRL_TAG`, benchmark
+data uses :data:`DATA_TAG` and acknowledgements :data:`ACK_TAG`.  The peer is
+either a child process on this host (worker addresses exchanged over its
+stdin/stdout, so the transports are exactly the ones asked for) or a
+``gpucx bench --server`` on another host (reached through its Listener).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+
+import gpucx
+
+from .._lib import lib
+from .memory import BenchSetupError
+
+__all__ = ["Session", "CTRL_TAG", "DATA_TAG", "ACK_TAG", "context_config"]
+
+CTRL_TAG = 0x67707563_00000001
+DATA_TAG = 0x67707563_00000002
+ACK_TAG = 0x67707563_00000003
+
+#: Largest control message.
+_CTRL_MAX = 1 << 16
+
+
+def context_config(tls: str | None, listener: bool = False) -> dict | None:
+    """The Context config for ``--tls`` (None = UCX's choice).  Listener
+    connections need ``tcp`` for UCX's connection manager; data still moves
+    over the other transports named."""
+    if not tls:
+        return None
+    names = [t.strip() for t in tls.split(",") if t.strip()]
+    if listener and not any(n in ("tcp", "all") for n in names):
+        names.append("tcp")
+    return {"TLS": ",".join(names)}
+
+
+class PeerGone(Exception):
+    """The peer process or host went away."""
+
+
+class Session:
+    """One side of a connected benchmark pair."""
+
+    def __init__(
+        self,
+        ctx,
+        worker,
+        ep,
+        *,
+        role: str,
+        device: int = 0,
+        timeout: float = 120.0,
+        parent_pid: int | None = None,
+    ):
+        self.ctx = ctx
+        self.worker = worker
+        self.ep = ep
+        self.role = role
+        self.device = device
+        self.timeout = timeout
+        self._parent_pid = parent_pid
+        self._proc: subprocess.Popen | None = None
+        #: Set once the peer acknowledged ``quit``: it then exits by itself.
+        self.finished = False
+        #: Set when a failed C loop left operations UCX would not cancel
+        #: (rendezvous sends to a peer that gave up): tearing the worker
+        #: down under them can crash inside UCX, so close() abandons the
+        #: UCX handles instead (the memory stays with the process).
+        self.tainted = False
+
+    # -- control messages ----------------------------------------------------
+
+    def send_ctrl(self, obj: dict) -> None:
+        """Send one control message (JSON) to the peer."""
+        data = json.dumps(obj).encode()
+        if len(data) > _CTRL_MAX:
+            raise ValueError("control message too large")
+        self.ep.send(data, tag=CTRL_TAG)
+
+    def recv_ctrl(self, timeout: float | None = None) -> dict:
+        """Wait for the peer's next control message.
+
+        The receive is posted once and the worker sleeps on its event fd
+        between checks of the deadline and of the peer's health, so a
+        message is never lost to a cancel.
+
+        Raises
+        ------
+        PeerGone
+            When the endpoint failed or (child peer) the parent process died.
+        gpucx.TimeoutError
+            When ``timeout`` seconds pass first.
+        """
+        w = self.worker
+        buf = bytearray(_CTRL_MAX)
+        req = w.recv_nb(buf, tag=CTRL_TAG)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not req.done():
+            err = self.ep.error
+            if err is not None:
+                req.cancel()
+                raise PeerGone(f"the peer went away ({err})")
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                req.cancel()
+                raise PeerGone("the benchmark client exited")
+            if self._proc is not None and self._proc.poll() is not None:
+                req.cancel()
+                raise PeerGone(
+                    f"the peer process exited with code {self._proc.returncode}"
+                )
+            if deadline is not None and time.monotonic() > deadline:
+                req.cancel()
+                w.progress()
+                raise gpucx.TimeoutError(
+                    f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
+                )
+            lib.gpucx_worker_sleep(w._h, w._efd, 100)
+        info = req.result()
+        return json.loads(bytes(buf[: info.nbytes]))
+
+    def call(self, obj: dict, timeout: float | None = None) -> dict:
+        """Send a control message and return the peer's answer."""
+        self.send_ctrl(obj)
+        return self.recv_ctrl(self.timeout if timeout is None else timeout)
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the endpoint, worker and context (and reap a child peer)."""
+        try:
+            if self.tainted:
+                self.ctx._abandon("abandoned after a failed benchmark")
+            elif self.ep is not None and not self.ep.closed:
+                self.ep.close(force=True)
+        finally:
+            if not self.tainted:
+                self.ctx.close()
+            proc = self._proc
+            if proc is not None:
+                try:
+                    if not self.finished:
+                        proc.kill()
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5)
+                for f in (proc.stdin, proc.stdout):
+                    if f is not None:
+                        f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# -- client side ----------------------------------------------------------------
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    out = proc.stdout
+    line = b""
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerGone(f"the local peer process said nothing for {timeout} s")
+        ready, _, _ = select.select([out], [], [], left)
+        if ready:
+            chunk = os.read(out.fileno(), 1)
+            if not chunk:
+                raise PeerGone(
+                    f"the local peer process exited early (code {proc.wait()})"
+                )
+            line += chunk
+    return line.decode().strip()
+
+
+def spawn_local(
+    tls: str | None, error_handling: bool, device: int, timeout: float
+) -> Session:
+    """Start a peer process on this host and connect to it."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "gpucx.bench.peer",
+        "--parent-pid",
+        str(os.getpid()),
+        "--device",
+        str(device),
+    ]
+    if tls:
+        cmd += ["--tls", tls]
+    if not error_handling:
+        cmd.append("--no-error-handling")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    ctx = None
+    try:
+        line = _readline(proc, 60.0)
+        if not line.startswith("ADDRESS "):
+            raise PeerGone(f"unexpected line from the local peer: {line!r}")
+        peer_address = bytes.fromhex(line.split()[1])
+        ctx = gpucx.Context(config=context_config(tls))
+        w = ctx.create_worker()
+        proc.stdin.write(f"ADDRESS {w.address.hex()}\n".encode())
+        proc.stdin.flush()
+        ep = w.connect(peer_address, error_handling=error_handling)
+    except BaseException:
+        if ctx is not None:
+            ctx.close()
+        proc.kill()
+        proc.wait()
+        raise
+    s = Session(ctx, w, ep, role="client", device=device, timeout=timeout)
+    s._proc = proc
+    return s
+
+
+def connect_remote(
+    hostport: str, tls: str | None, error_handling: bool, device: int, timeout: float
+) -> Session:
+    """Connect to ``gpucx bench --server`` at ``HOST:PORT``.
+
+    Raises
+    ------
+    BenchSetupError
+        For a malformed ``HOST:PORT``.
+    """
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BenchSetupError(f"bad --client {hostport!r}: use HOST:PORT")
+    ctx = gpucx.Context(config=context_config(tls, listener=True))
+    try:
+        w = ctx.create_worker()
+        ep = w.connect((host.strip("[]"), int(port)), error_handling=error_handling)
+        s = Session(ctx, w, ep, role="client", device=device, timeout=timeout)
+        s.send_ctrl({"op": "hello"})
+        s.recv_ctrl(timeout=min(timeout, 30.0))
+    except BaseException:
+        ctx.close()
+        raise
+    return s

@@ -1,0 +1,666 @@
+"""The measurements ``gpucx bench`` runs, one class per test name.
+
+Names follow ``ucx_perftest`` so figures can be compared.  Latency tests
+report one-way latency (half a round trip, as ``ucx_perftest`` does) except
+``fadd_lat``, whose figure is the whole fetch-and-add (it is a round trip by
+nature).  Bandwidth tests report bytes moved per second and the average time
+per message.
+
+``tag_lat`` and ``tag_bw`` run their timing loops in C
+(``gpucx/_csrc/bench.c``): one Python->C crossing per measured point.  With
+``--async`` they use the public non-blocking API (``send_nb``/``recv_nb``
+and :class:`~gpucx.Request`) instead, which measures what a Python program
+using those calls gets.  The other tests drive the public API of their area
+(AM, stream, RMA, atomics, arrays) from Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy
+
+import gpucx
+
+from .._lib import ffi, lib
+from ..mem.buffer import acquire
+from ..request import INPROGRESS, raise_status
+from .memory import BenchSetupError, alloc
+from .session import ACK_TAG, DATA_TAG
+
+__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench", "missing_api"]
+
+#: Active-message id the AM tests use.
+AM_ID = 7
+
+_perf_ns = time.perf_counter_ns
+
+
+@dataclasses.dataclass
+class Params:
+    """One measured point, as both sides see it."""
+
+    test: str
+    size: int
+    iters: int
+    warmup: int
+    window: int = 32
+    client_mem: str = "host"
+    server_mem: str = "host"
+    use_async: bool = False
+    timeout: float = 120.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Params:
+        return cls(**d)
+
+
+def lat_figures(size: int, one_way_ns) -> dict:
+    """Figures of a latency test from per-iteration one-way times (ns)."""
+    a = numpy.asarray(one_way_ns, dtype=numpy.float64)
+    avg = float(a.mean())
+    return {
+        "latency_us": float(numpy.median(a)) / 1e3,
+        "latency_p99_us": float(numpy.percentile(a, 99)) / 1e3,
+        "latency_avg_us": avg / 1e3,
+        "bandwidth_gbs": size / avg if avg > 0 else 0.0,
+        "msg_rate": 1e9 / avg if avg > 0 else 0.0,
+        "elapsed_s": float(a.sum()) / 1e9,
+    }
+
+
+def bw_figures(size: int, iters: int, elapsed_ns: int) -> dict:
+    """Figures of a bandwidth test: ``iters`` messages of ``size`` bytes."""
+    elapsed_ns = max(int(elapsed_ns), 1)
+    per = elapsed_ns / max(iters, 1)
+    return {
+        "latency_us": None,
+        "latency_p99_us": None,
+        "latency_avg_us": per / 1e3,
+        "bandwidth_gbs": size * iters / elapsed_ns,
+        "msg_rate": iters * 1e9 / elapsed_ns,
+        "elapsed_s": elapsed_ns / 1e9,
+    }
+
+
+class Bench:
+    """One test at one size; the same class runs on both sides.
+
+    The client calls :meth:`run` after the server answered :meth:`prepare`
+    (whose dict it gets as ``extra``); the server then runs :meth:`serve`.
+    """
+
+    name = ""
+    kind = "bw"  # "lat" or "bw"
+    #: Public names the test needs ("Endpoint.put_nb"...).
+    needs: tuple[str, ...] = ()
+    #: The matching ucx_perftest test, or None.
+    perftest: str | None = None
+    #: Only these sizes make sense (atomics), or None.
+    fixed_sizes: tuple[int, ...] | None = None
+    #: What the latency figure means (for the table's notes).
+    latency_note = "one-way (half a round trip)"
+
+    def __init__(self, sess, params: Params, server: bool = False):
+        self.s = sess
+        self.p = params
+        self.server = server
+        self.mem = params.server_mem if server else params.client_mem
+        self.timeout_ns = int(params.timeout * 1e9)
+
+    # server side
+    def prepare(self) -> dict:
+        return {}
+
+    def serve(self) -> None:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        pass
+
+    # client side
+    def run(self, extra: dict) -> dict:
+        raise NotImplementedError
+
+    # helpers
+    def buffer(self, fill: int = 0):
+        return alloc(self.mem, self.p.size, self.s.device, fill)
+
+    def ack_send(self) -> None:
+        self.s.ep.send(numpy.zeros(1, numpy.uint64), tag=ACK_TAG)
+
+    def ack_recv(self) -> None:
+        self.s.worker.recv(
+            numpy.zeros(1, numpy.uint64), tag=ACK_TAG, timeout=self.p.timeout
+        )
+
+
+def c_slots(n: int):
+    """Zeroed completion slots for a C timing loop."""
+    return ffi.new("gpucx_slot_t[]", n)
+
+
+def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
+    """After a C loop: raise its error, parking the slots UCX still holds.
+
+    A rendezvous send to a peer that stopped answering cannot be canceled:
+    its slot (and the buffers) are parked on the worker, which settles them
+    when the endpoint and the worker close.
+    """
+    if st == lib.UCS_OK:
+        return
+    w = sess.worker
+    for i in range(n):
+        if slots[i].status == INPROGRESS:
+            w._park(slots + i, (slots, keep))
+            sess.tainted = True
+    raise_status(st, what, sess.ep)
+
+
+def missing_api(cls: type[Bench]) -> str | None:
+    """The first public name ``cls`` needs that this gpucx lacks, or None."""
+    owners = {
+        "Endpoint": gpucx.Endpoint,
+        "Worker": gpucx.Worker,
+        "Context": gpucx.Context,
+    }
+    for need in cls.needs:
+        owner, _, attr = need.partition(".")
+        if not hasattr(owners[owner], attr):
+            return need
+    return None
+
+
+# -- tag ---------------------------------------------------------------------
+
+
+class TagLat(Bench):
+    name = "tag_lat"
+    kind = "lat"
+    perftest = "tag_lat"
+
+    def _alloc(self):
+        self.sbuf = self.buffer(1)
+        self.rbuf = self.buffer()
+
+    def prepare(self) -> dict:
+        self._alloc()
+        return {}
+
+    def _c_loop(self, initiator: int, iters: int, rtt) -> None:
+        sp, n, smt, skeep = acquire(self.sbuf, False)
+        rp, _, rmt, rkeep = acquire(self.rbuf, True)
+        out = ffi.new("uint64_t *")
+        rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+        slots = c_slots(2)
+        st = lib.gpucx_bench_tag_pingpong(
+            self.s.worker._h,
+            self.s.ep._h,
+            initiator,
+            sp,
+            smt,
+            rp,
+            rmt,
+            n,
+            DATA_TAG,
+            iters,
+            self.timeout_ns,
+            slots,
+            rtt_p,
+            out,
+        )
+        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
+
+    def _py_loop(self, initiator: bool, iters: int, rtt) -> None:
+        w, ep = self.s.worker, self.s.ep
+        t = self.p.timeout
+        for i in range(iters):
+            t0 = _perf_ns()
+            r = w.recv_nb(self.rbuf, tag=DATA_TAG)
+            if not initiator:
+                r.wait(t)
+            ep.send_nb(self.sbuf, tag=DATA_TAG).wait(t)
+            if initiator:
+                r.wait(t)
+                if rtt is not None:
+                    rtt[i] = _perf_ns() - t0
+
+    def _loop(self, initiator, iters, rtt):
+        if self.p.use_async:
+            self._py_loop(bool(initiator), iters, rtt)
+        else:
+            self._c_loop(initiator, iters, rtt)
+
+    def serve(self) -> None:
+        self._loop(0, self.p.warmup, None)
+        self._loop(0, self.p.iters, None)
+
+    def run(self, extra: dict) -> dict:
+        self._alloc()
+        rtt = numpy.zeros(self.p.iters, numpy.uint64)
+        self._loop(1, self.p.warmup, None)
+        self._loop(1, self.p.iters, rtt)
+        return lat_figures(self.p.size, rtt / 2)
+
+
+class TagBw(Bench):
+    name = "tag_bw"
+    kind = "bw"
+    perftest = "tag_bw"
+    latency_note = "time per message"
+
+    def prepare(self) -> dict:
+        self.buf = self.buffer()
+        return {}
+
+    def _c_loop(self, send: int, iters: int) -> int:
+        bp, n, mt, keep = acquire(self.buf, not send)
+        out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
+        ack = ffi.new("uint64_t *")
+        st = lib.gpucx_bench_tag_stream(
+            self.s.worker._h,
+            self.s.ep._h,
+            send,
+            bp,
+            n,
+            mt,
+            DATA_TAG,
+            ACK_TAG,
+            iters,
+            self.p.window,
+            self.timeout_ns,
+            slots,
+            ack,
+            out,
+        )
+        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
+        return out[0]
+
+    def _py_loop(self, send: bool, iters: int) -> int:
+        w, ep, t = self.s.worker, self.s.ep, self.p.timeout
+        window = max(1, self.p.window)
+        t0 = _perf_ns()
+        if send:
+            ack = w.recv_nb(numpy.zeros(1, numpy.uint64), tag=ACK_TAG)
+        reqs = []
+        for _ in range(iters):
+            if len(reqs) >= window:
+                reqs.pop(0).wait(t)
+            if send:
+                reqs.append(ep.send_nb(self.buf, tag=DATA_TAG))
+            else:
+                reqs.append(w.recv_nb(self.buf, tag=DATA_TAG))
+        for r in reqs:
+            r.wait(t)
+        if send:
+            ack.wait(t)
+        else:
+            self.ack_send()
+        return _perf_ns() - t0
+
+    def _loop(self, send, iters) -> int:
+        if self.p.use_async:
+            return self._py_loop(bool(send), iters)
+        return self._c_loop(send, iters)
+
+    def serve(self) -> None:
+        self._loop(0, self.p.warmup)
+        self._loop(0, self.p.iters)
+
+    def run(self, extra: dict) -> dict:
+        self.buf = self.buffer(1)
+        self._loop(1, self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, self._loop(1, self.p.iters))
+
+
+# -- active messages ------------------------------------------------------------
+
+
+class _AmBase(Bench):
+    needs = ("Worker.set_am_handler", "Endpoint.am_send", "Endpoint.am_send_nb")
+
+    def _inbox(self):
+        self.inbox: list = []
+        self.s.worker.set_am_handler(AM_ID, self.inbox.append)
+
+    def _take(self):
+        w = self.s.worker
+        end = time.monotonic() + self.p.timeout
+        while not self.inbox:
+            w.progress()
+            if time.monotonic() > end:
+                raise gpucx.TimeoutError(
+                    f"bench {self.name}: no active message for {self.p.timeout} s"
+                )
+        msg = self.inbox.pop(0)
+        if msg.is_rndv:
+            msg.receive_into(self.rbuf).wait(self.p.timeout)
+        return msg
+
+    def cleanup(self) -> None:
+        try:
+            self.s.worker.set_am_handler(AM_ID, None)
+        except Exception:
+            pass
+
+
+class AmLat(_AmBase):
+    name = "am_lat"
+    kind = "lat"
+    perftest = "ucp_am_lat"
+
+    def prepare(self) -> dict:
+        self.sbuf, self.rbuf = self.buffer(1), self.buffer()
+        self._inbox()
+        return {}
+
+    def serve(self) -> None:
+        ep = self.s.ep
+        for _ in range(self.p.warmup + self.p.iters):
+            self._take()
+            ep.am_send(AM_ID, self.sbuf)
+
+    def run(self, extra: dict) -> dict:
+        self.sbuf, self.rbuf = self.buffer(1), self.buffer()
+        self._inbox()
+        ep = self.s.ep
+        rtt = numpy.zeros(self.p.iters, numpy.float64)
+        try:
+            for i in range(self.p.warmup + self.p.iters):
+                t0 = _perf_ns()
+                ep.am_send(AM_ID, self.sbuf)
+                self._take()
+                if i >= self.p.warmup:
+                    rtt[i - self.p.warmup] = _perf_ns() - t0
+        finally:
+            self.cleanup()
+        return lat_figures(self.p.size, rtt / 2)
+
+
+class AmBw(_AmBase):
+    name = "am_bw"
+    kind = "bw"
+    perftest = "ucp_am_bw"
+    latency_note = "time per message"
+
+    def prepare(self) -> dict:
+        self.rbuf = self.buffer()
+        self._inbox()
+        return {}
+
+    def serve(self) -> None:
+        for n in (self.p.warmup, self.p.iters):
+            for _ in range(n):
+                self._take()
+            self.ack_send()
+
+    def _phase(self, n: int) -> int:
+        ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
+        t0 = _perf_ns()
+        reqs = []
+        for _ in range(n):
+            if len(reqs) >= window:
+                reqs.pop(0).wait(t)
+            reqs.append(ep.am_send_nb(AM_ID, self.sbuf))
+        for r in reqs:
+            r.wait(t)
+        self.ack_recv()
+        return _perf_ns() - t0
+
+    def run(self, extra: dict) -> dict:
+        self.sbuf = self.buffer(1)
+        self._phase(self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+
+
+# -- stream -----------------------------------------------------------------------
+
+
+class StreamBw(Bench):
+    name = "stream_bw"
+    kind = "bw"
+    perftest = "stream_bw"
+    needs = ("Endpoint.stream_send", "Endpoint.stream_recv")
+    latency_note = "time per message"
+
+    def prepare(self) -> dict:
+        self.rbuf = self.buffer()
+        return {}
+
+    def serve(self) -> None:
+        ep, t = self.s.ep, self.p.timeout
+        for n in (self.p.warmup, self.p.iters):
+            for _ in range(n):
+                ep.stream_recv(self.rbuf, timeout=t)
+            self.ack_send()
+
+    def _phase(self, n: int) -> int:
+        ep = self.s.ep
+        t0 = _perf_ns()
+        for _ in range(n):
+            ep.stream_send(self.sbuf)
+        self.ack_recv()
+        return _perf_ns() - t0
+
+    def run(self, extra: dict) -> dict:
+        self.sbuf = self.buffer(1)
+        self._phase(self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+
+
+# -- RMA and atomics ------------------------------------------------------------
+
+
+class _RmaBase(Bench):
+    needs = ("Context.register", "Endpoint.unpack", "Endpoint.flush")
+
+    def prepare(self) -> dict:
+        self.target = self.buffer()
+        self.region = self.s.ctx.register(self.target)
+        return {
+            "remote": self.region.remote().to_bytes().hex(),
+            "address": int(self.region.address),
+        }
+
+    def serve(self) -> None:
+        # One-sided: the server only progresses until the client is done.
+        msg = self.s.recv_ctrl(self.p.timeout)
+        if msg.get("op") != "fin":
+            raise BenchSetupError(f"unexpected control message {msg!r}")
+
+    def cleanup(self) -> None:
+        region = getattr(self, "region", None)
+        if region is not None and hasattr(region, "close"):
+            region.close()
+
+    def run(self, extra: dict) -> dict:
+        rmem = self.s.ep.unpack(bytes.fromhex(extra["remote"]))
+        try:
+            return self.measure(rmem)
+        finally:
+            self.s.send_ctrl({"op": "fin"})
+            if hasattr(rmem, "close"):
+                rmem.close()
+
+    def measure(self, rmem) -> dict:
+        raise NotImplementedError
+
+
+def rkey_handle(rmem):
+    """The ``ucp_rkey_h`` of a RemoteKey, when it exposes one as ``_h``.
+
+    The RMA bandwidth tests then run their loop in C
+    (``gpucx_bench_rma_stream``); otherwise they post from Python.
+    """
+    h = getattr(rmem, "_h", None)
+    try:
+        return h if ffi.typeof(h) is ffi.typeof("ucp_rkey_h") else None
+    except TypeError:
+        return None
+
+
+class _RmaBw(_RmaBase):
+    kind = "bw"
+    latency_note = "time per message"
+    op = ""
+    get = 0
+
+    def _c_phase(self, rmem, rkey, n: int) -> int:
+        ptr, nbytes, mt, keep = acquire(self.local, bool(self.get))
+        out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
+        st = lib.gpucx_bench_rma_stream(
+            self.s.worker._h,
+            self.s.ep._h,
+            self.get,
+            ptr,
+            nbytes,
+            mt,
+            self.remote_addr,
+            rkey,
+            n,
+            self.p.window,
+            self.timeout_ns,
+            slots,
+            out,
+        )
+        settle(self.s, st, slots, nslots, (keep, rmem), f"bench {self.name}")
+        return out[0]
+
+    def run(self, extra: dict) -> dict:
+        self.remote_addr = int(extra["address"])
+        return super().run(extra)
+
+    def _phase(self, rmem, n: int) -> int:
+        rkey = None if self.p.use_async else rkey_handle(rmem)
+        if rkey is not None:
+            return self._c_phase(rmem, rkey, n)
+        ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
+        post = getattr(ep, self.op)
+        t0 = _perf_ns()
+        reqs = []
+        for _ in range(n):
+            if len(reqs) >= window:
+                reqs.pop(0).wait(t)
+            reqs.append(post(self.local, rmem))
+        for r in reqs:
+            r.wait(t)
+        ep.flush(timeout=t)
+        return _perf_ns() - t0
+
+    def measure(self, rmem) -> dict:
+        self.local = self.buffer(1)
+        self._phase(rmem, self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, self._phase(rmem, self.p.iters))
+
+
+class PutBw(_RmaBw):
+    name = "put_bw"
+    perftest = "ucp_put_bw"
+    needs = _RmaBase.needs + ("Endpoint.put_nb",)
+    op = "put_nb"
+
+
+class GetBw(_RmaBw):
+    name = "get_bw"
+    perftest = "ucp_get"
+    needs = _RmaBase.needs + ("Endpoint.get_nb",)
+    op = "get_nb"
+    get = 1
+
+
+class PutLat(_RmaBase):
+    name = "put_lat"
+    kind = "lat"
+    perftest = "ucp_put_lat"
+    needs = _RmaBase.needs + ("Endpoint.put",)
+    latency_note = "half of put + endpoint flush (one round trip)"
+
+    def measure(self, rmem) -> dict:
+        ep, t = self.s.ep, self.p.timeout
+        src = self.buffer(1)
+        rtt = numpy.zeros(self.p.iters, numpy.float64)
+        for i in range(self.p.warmup + self.p.iters):
+            t0 = _perf_ns()
+            ep.put(src, rmem)
+            ep.flush(timeout=t)
+            if i >= self.p.warmup:
+                rtt[i - self.p.warmup] = _perf_ns() - t0
+        return lat_figures(self.p.size, rtt / 2)
+
+
+class FaddLat(_RmaBase):
+    name = "fadd_lat"
+    kind = "lat"
+    perftest = "ucp_fadd"
+    needs = _RmaBase.needs + ("Endpoint.fetch_add",)
+    fixed_sizes = (8,)
+    latency_note = "whole fetch-and-add (a round trip)"
+
+    def measure(self, rmem) -> dict:
+        ep = self.s.ep
+        ops = numpy.zeros(self.p.iters, numpy.float64)
+        for i in range(self.p.warmup + self.p.iters):
+            t0 = _perf_ns()
+            ep.fetch_add(rmem, 1, nbytes=8)
+            if i >= self.p.warmup:
+                ops[i - self.p.warmup] = _perf_ns() - t0
+        return lat_figures(8, ops)
+
+
+# -- arrays ------------------------------------------------------------------------
+
+
+class ArrayBw(Bench):
+    name = "array_bw"
+    kind = "bw"
+    perftest = None
+    needs = ("Endpoint.send_array", "Endpoint.recv_array")
+    latency_note = "time per array"
+
+    def serve(self) -> None:
+        ep, t = self.s.ep, self.p.timeout
+        for n in (self.p.warmup, self.p.iters):
+            for _ in range(n):
+                ep.recv_array(timeout=t)
+            self.ack_send()
+
+    def _phase(self, n: int) -> int:
+        ep = self.s.ep
+        t0 = _perf_ns()
+        for _ in range(n):
+            ep.send_array(self.arr)
+        self.ack_recv()
+        return _perf_ns() - t0
+
+    def run(self, extra: dict) -> dict:
+        self.arr = self.buffer(1)
+        self._phase(self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+
+
+TESTS: dict[str, type[Bench]] = {
+    cls.name: cls
+    for cls in (
+        TagLat,
+        TagBw,
+        AmLat,
+        AmBw,
+        StreamBw,
+        PutLat,
+        PutBw,
+        GetBw,
+        FaddLat,
+        ArrayBw,
+    )
+}
+
+#: What plain ``gpucx bench`` runs.
+DEFAULT_TESTS = ("tag_lat", "tag_bw")
