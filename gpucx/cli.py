@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _fail(prog: str, message: str, code: int = 2) -> int:
+def _fail(prog: str, message: object, code: int = 2) -> int:
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return code
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
@@ -29,6 +30,7 @@ class Worker(Handle):
     """
 
     _is_worker = True
+    _amq: Any  # the C active-message queue (gpucx.ops.am.attach)
 
     def __init__(self, context, thread_mode: str = "single"):
         h = context._h

@@ -160,8 +160,8 @@ def run_perftest(
                     # from the message rate, which keeps small sizes exact.
                     figures["bandwidth_gbs"] = figures["msg_rate"] * size / 1e9
                 return figures
-            last = (client.stderr or client.stdout).strip().splitlines()
-            last = last[-1] if last else f"exit code {client.returncode}"
+            lines = (client.stderr or client.stdout).strip().splitlines()
+            last = lines[-1] if lines else f"exit code {client.returncode}"
         finally:
             try:
                 server.wait(5)

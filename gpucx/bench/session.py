@@ -171,6 +171,7 @@ class Session:
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     out = proc.stdout
+    assert out is not None  # Popen(stdout=PIPE)
     line = b""
     while not line.endswith(b"\n"):
         left = deadline - time.monotonic()
@@ -213,8 +214,10 @@ def spawn_local(
         peer_address = bytes.fromhex(line.split()[1])
         ctx = gpucx.Context(config=context_config(tls))
         w = ctx.create_worker()
-        proc.stdin.write(f"ADDRESS {w.address.hex()}\n".encode())
-        proc.stdin.flush()
+        stdin = proc.stdin
+        assert stdin is not None  # Popen(stdin=PIPE)
+        stdin.write(f"ADDRESS {w.address.hex()}\n".encode())
+        stdin.flush()
         ep = w.connect(peer_address, error_handling=error_handling)
     except BaseException:
         if ctx is not None:

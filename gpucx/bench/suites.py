@@ -288,7 +288,7 @@ class TagBw(Bench):
         t0 = _perf_ns()
         if send:
             ack = w.recv_nb(numpy.zeros(1, numpy.uint64), tag=ACK_TAG)
-        reqs = []
+        reqs: list = []
         for _ in range(iters):
             if len(reqs) >= window:
                 reqs.pop(0).wait(t)
@@ -403,7 +403,7 @@ class AmBw(_AmBase):
     def _phase(self, n: int) -> int:
         ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
         t0 = _perf_ns()
-        reqs = []
+        reqs: list = []
         for _ in range(n):
             if len(reqs) >= window:
                 reqs.pop(0).wait(t)
@@ -458,7 +458,7 @@ class StreamBw(Bench):
 
 
 class _RmaBase(Bench):
-    needs = ("Context.register", "Endpoint.unpack", "Endpoint.flush")
+    needs: tuple[str, ...] = ("Context.register", "Endpoint.unpack", "Endpoint.flush")
 
     def prepare(self) -> dict:
         self.target = self.buffer()
@@ -545,7 +545,7 @@ class _RmaBw(_RmaBase):
         ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
         post = getattr(ep, self.op)
         t0 = _perf_ns()
-        reqs = []
+        reqs: list = []
         for _ in range(n):
             if len(reqs) >= window:
                 reqs.pop(0).wait(t)

@@ -291,6 +291,6 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
     if not pending:
         del q[key]
     # The array is here: give its transfer at least a second.
-    left = None if deadline is None else max(1.0, deadline - time.monotonic())
-    msg.receive_into(raw).wait(left)
+    rest = None if deadline is None else max(1.0, deadline - time.monotonic())
+    msg.receive_into(raw).wait(rest)
     return out
