@@ -27,10 +27,11 @@ import threading
 import weakref
 from typing import Any
 
+from ._handle import raise_closed
 from ._lib import lib
 from .errors import TimeoutError as GpucxTimeoutError
 from .ops.tag import TAG_MASK_FULL
-from .request import INPROGRESS, Request
+from .request import INPROGRESS, Request, new_slot
 
 __all__ = ["Worker", "Endpoint", "ProgressThread", "wait_request"]
 
@@ -198,6 +199,14 @@ async def wait_request(req: Request):
     return await _driver(req._worker).wait(req)
 
 
+async def _flush(driver: _Driver, worker, post, handle, ep=None) -> None:
+    """Post an endpoint or worker flush and await its completion."""
+    slot = new_slot()
+    post(handle, slot)
+    what = "endpoint flush" if ep is not None else "worker flush"
+    await driver.wait(Request(worker, slot, None, what, None, ep))
+
+
 class Endpoint:
     """Async face of a :class:`gpucx.Endpoint` (every sync attribute is
     there too)."""
@@ -225,17 +234,10 @@ class Endpoint:
 
     async def aflush(self) -> None:
         """Wait until every operation on this endpoint completed remotely."""
-        from .request import new_slot
-
-        if self._ep._h is None:
-            from ._handle import raise_closed
-
-            raise_closed(self._ep)
-        slot = new_slot()
-        lib.gpucx_ep_flush(self._ep._h, slot)
-        return await self._drv.wait(
-            Request(self._ep._w, slot, None, "endpoint flush", None, self._ep)
-        )
+        ep = self._ep
+        if ep._h is None:
+            raise_closed(ep)
+        await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
     def close(self, force: bool = False) -> None:
         self._ep.close(force)
@@ -358,13 +360,10 @@ class Worker:
 
     async def aflush(self) -> None:
         """Wait until every operation of this worker completed remotely."""
-        from .request import new_slot
-
-        slot = new_slot()
-        lib.gpucx_worker_flush(self._worker._h, slot)
-        return await self._drv.wait(
-            Request(self._worker, slot, None, "worker flush", None)
-        )
+        w = self._worker
+        if w._h is None:
+            raise_closed(w)
+        await _flush(self._drv, w, lib.gpucx_worker_flush, w._h)
 
 
 class ProgressThread:

@@ -11,7 +11,7 @@ from .ops import am as _am
 from .ops import arrays as _arrays
 from .ops import stream as _stream
 from .ops import tag as _tag
-from .request import INPROGRESS, block, new_slot, raise_status
+from .request import INPROGRESS, finish, new_slot
 
 __all__ = ["Endpoint"]
 
@@ -140,10 +140,7 @@ class Endpoint(Handle):
             raise_closed(self)
         slot = new_slot()
         st = lib.gpucx_ep_flush(h, slot)
-        if st == INPROGRESS:
-            st = block(self._w, slot, timeout)
-        if st != lib.UCS_OK:
-            raise_status(st, f"flush of endpoint {self.peer}", self)
+        finish(self._w, slot, st, timeout, f"flush of endpoint {self.peer}", self)
 
     # -- tag matching (facades over gpucx.ops.tag) ---------------------------
 

@@ -6,7 +6,8 @@ import time
 
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
-from .errors import TimeoutError, check
+from .errors import check
+from .request import slice_ms
 
 __all__ = ["Listener"]
 
@@ -62,16 +63,9 @@ class Listener(Handle):
                     self._w, req, f"peer of {self.host}:{self.port}"
                 )
             w = self._w
-            if deadline is None:
-                ms = 100
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"no connection on {self.host}:{self.port} within {timeout} s",
-                        lib.UCS_ERR_TIMED_OUT,
-                    )
-                ms = min(100, max(1, int(left * 1000)))
+            ms = slice_ms(
+                deadline, timeout, f"no connection on {self.host}:{self.port}"
+            )
             lib.gpucx_worker_sleep(w._h, w._efd, ms)
             w._poll_events()
 

@@ -50,6 +50,23 @@ def new_slot():
     return ffi.new("gpucx_slot_t *")
 
 
+def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
+    """How long the next sleep may be: one slice, never past the deadline.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        Once ``deadline`` (a ``time.monotonic()`` value) has passed; the
+        message reads ``f"{what} within {timeout} s"``.
+    """
+    if deadline is None:
+        return _SLICE_MS
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"{what} within {timeout} s", lib.UCS_ERR_TIMED_OUT)
+    return min(_SLICE_MS, max(1, int(left * 1000)))
+
+
 def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
     """Progress ``worker`` until ``slot`` completes; return its status.
 
@@ -67,16 +84,7 @@ def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
             if st != INPROGRESS:
                 return st
             worker._poll_events()
-            if deadline is None:
-                ms = _SLICE_MS
-            else:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"operation did not complete within {timeout} s",
-                        lib.UCS_ERR_TIMED_OUT,
-                    )
-                ms = min(_SLICE_MS, max(1, int(left * 1000)))
+            ms = slice_ms(deadline, timeout, "operation did not complete")
             st = lib.gpucx_wait_sleep(h, efd, slot, ms)
             if st != INPROGRESS:
                 return st
@@ -105,6 +113,15 @@ def abandon(worker, slot, keep: Any = None) -> None:
     if slot is worker._sslot:
         # The shared blocking slot may still be referenced by UCX.
         worker._sslot = new_slot()
+
+
+def finish(worker, slot, st: int, timeout: float | None, what: str, ep=None) -> None:
+    """Complete a just-posted operation synchronously: wait while it is
+    pending, raise its error if it failed."""
+    if st == INPROGRESS:
+        st = block(worker, slot, timeout)
+    if st != OK:
+        raise_status(st, what, ep)
 
 
 def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:

@@ -12,7 +12,7 @@ from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
 from .ops import tag as _tag
-from .request import _DRAIN_S, INPROGRESS, block, new_slot, raise_status
+from .request import _DRAIN_S, INPROGRESS, finish, new_slot
 
 __all__ = ["Worker"]
 
@@ -144,11 +144,7 @@ class Worker(Handle):
         if h is None:
             raise_closed(self)
         slot = new_slot()
-        st = lib.gpucx_worker_flush(h, slot)
-        if st == INPROGRESS:
-            st = block(self, slot, timeout)
-        if st != lib.UCS_OK:
-            raise_status(st, "worker flush")
+        finish(self, slot, lib.gpucx_worker_flush(h, slot), timeout, "worker flush")
 
     def fence(self) -> None:
         """Order operations: those issued after the fence start after those

@@ -28,9 +28,10 @@ from collections import deque
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import TimeoutError, UnsupportedError
+from ..errors import UnsupportedError
 from ..mem.buffer import as_buffer
 from ..mem.memtype import MemoryType
+from ..request import slice_ms
 from . import am as _am
 
 __all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
@@ -40,7 +41,6 @@ FORMAT_VERSION = 1
 _MAGIC = b"GXAR"
 _FIXED = struct.Struct("<4sBBBBB")
 _MAX_NDIM = 64
-_SLICE_MS = 100
 _HOST = int(MemoryType.HOST)
 
 
@@ -264,16 +264,7 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
         pending = q.get(key)
         if pending:
             break
-        if deadline is None:
-            ms = _SLICE_MS
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(
-                    f"recv_array: no array arrived within {timeout} s",
-                    lib.UCS_ERR_TIMED_OUT,
-                )
-            ms = min(_SLICE_MS, max(1, int(left * 1000)))
+        ms = slice_ms(deadline, timeout, "recv_array: no array arrived")
         lib.gpucx_worker_sleep(w._h, w._efd, ms)
         if w._amq.tail:
             _am.dispatch(w)
