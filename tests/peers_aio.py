@@ -34,8 +34,9 @@ def aio_die_after_connect(ch):
         w = gpucx.aio.Worker(ctx)
         w.listen(host="127.0.0.1")
         ch.put(w._listeners[0].port)
-        await w.aaccept(timeout=30)
+        ep = await w.aaccept(timeout=30)  # keep it: a dropped endpoint closes
         ch.get()
         os.kill(os.getpid(), signal.SIGKILL)
+        del ep
 
     asyncio.run(main())
