@@ -8,6 +8,7 @@ from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
+from .ops import rma as _rma
 from .ops import tag as _tag
 from .request import _DRAIN_S, INPROGRESS, block, new_slot, raise_status
 
@@ -54,6 +55,7 @@ class Worker(Handle):
         self._parked: list = []
         self._address: bytes | None = None
         context._adopt(self)
+        _rma.worker_init(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else self.thread_mode
@@ -193,6 +195,10 @@ class Worker(Handle):
     recv_nb = _tag.recv_nb
     probe = _tag.probe
 
+    # -- put-with-notify, owner side (facade over gpucx.ops.rma) --------------
+
+    notifications = _rma.notifications
+
     # -- request bookkeeping --------------------------------------------------
 
     def _track(self, req) -> None:
@@ -227,6 +233,7 @@ class Worker(Handle):
         for slot, _keep in self._parked:
             lib.gpucx_slot_release(slot)
         lib.ucp_worker_destroy(h)
+        _rma.worker_release(self)
         # Whatever UCX still held is gone with the worker: settle it.
         for req in list(self._pending):
             req._slot.req = ffi.NULL
