@@ -57,10 +57,10 @@ ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
                             size_t len, uint64_t raddr, ucp_rkey_h rkey,
                             int memory_type, gpucx_slot_t *slot,
                             uint64_t spin_ns);
-ucs_status_t gpucx_put_notify(ucp_worker_h worker, ucp_ep_h ep, const void *buf,
-                              size_t len, uint64_t raddr, ucp_rkey_h rkey,
-                              int memory_type, const void *notify,
-                              size_t notify_len, gpucx_notify_op_t *op);
+ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
+                              uint64_t raddr, ucp_rkey_h rkey, int memory_type,
+                              const void *notify, size_t notify_len,
+                              gpucx_notify_op_t *op);
 
 ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q);
 gpucx_notice_t *gpucx_notify_pop(gpucx_notify_q_t *q);

@@ -4,8 +4,9 @@
  * Appended after _ucx_helpers.c in one translation unit (see
  * _build_ucx.py), so the slot helpers there are used directly.
  *
- * Put-with-notify: the initiator posts the put, a worker fence, then a small
- * active message on the reserved id GPUCX_NOTIFY_AM_ID.  The owner's worker
+ * Put-with-notify: the initiator posts the put, an endpoint flush and, once
+ * the flush completed, a small active message on the reserved id
+ * GPUCX_NOTIFY_AM_ID.  The owner's worker
  * has a C handler for that id (installed when the worker is created) that
  * copies the notify bytes and the reply endpoint into a C queue; Python
  * drains the queue after progress returns (worker.notifications()).
@@ -153,14 +154,21 @@ static ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
 
 /* ---- put with notify (initiator) --------------------------------------- */
 
-/* Two UCX operations (the put and the notify AM) behind one slot: the slot
- * completes when both did, with the first error.  Each UCX request is freed
- * in its own callback, so slot.req only ever names the pending AM (what a
- * cancel can reach). */
+/* Three UCX operations behind one slot: the put, an endpoint flush, and the
+ * notify AM, which is posted only when the flush completed (so the data is
+ * in the target memory before the notification leaves).  ucp_worker_fence
+ * is not used: with UCX's default fence mode it blocks until the peer has
+ * progressed, which a non-blocking call must not do.  The slot completes
+ * when all three did, with the first error.  Each UCX request is freed in
+ * its own callback; slot.req only names the pending AM (what a cancel can
+ * reach). */
 typedef struct gpucx_notify_op {
-    gpucx_slot_t slot;
-    unsigned     pending;
-    ucs_status_t error;
+    gpucx_slot_t  slot;
+    unsigned      pending;
+    ucs_status_t  error;
+    ucp_ep_h      ep;
+    const void   *notify;
+    size_t        notify_len;
 } gpucx_notify_op_t;
 
 static void gpucx__notify_op_cb(void *request, ucs_status_t status,
@@ -180,22 +188,63 @@ static void gpucx__notify_op_cb(void *request, ucs_status_t status,
     }
 }
 
-static ucs_status_t gpucx_put_notify(ucp_worker_h worker, ucp_ep_h ep,
-                                     const void *buf, size_t len,
+static void gpucx__notify_send_am(gpucx_notify_op_t *op)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t    r;
+
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send   = gpucx__notify_op_cb;
+    p.user_data = op;
+    p.flags     = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
+    r = ucp_am_send_nbx(op->ep, GPUCX_NOTIFY_AM_ID, NULL, 0, op->notify,
+                        op->notify_len, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+        if (op->error == UCS_OK) {
+            op->error = UCS_PTR_STATUS(r);
+        }
+    } else if (r != NULL) {
+        op->pending++;
+        op->slot.req = r;
+    }
+}
+
+/* The flush completed: the put is in the target memory; notify. */
+static void gpucx__notify_flush_cb(void *request, ucs_status_t status,
+                                   void *user_data)
+{
+    gpucx_notify_op_t *op = (gpucx_notify_op_t *)user_data;
+
+    ucp_request_free(request);
+    if (status != UCS_OK) {
+        if (op->error == UCS_OK) {
+            op->error = status;
+        }
+    } else if (op->error == UCS_OK) {
+        gpucx__notify_send_am(op);
+    }
+    if (--op->pending == 0) {
+        op->slot.status = op->error;
+    }
+}
+
+static ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
                                      uint64_t raddr, ucp_rkey_h rkey,
                                      int memory_type, const void *notify,
                                      size_t notify_len, gpucx_notify_op_t *op)
 {
     ucp_request_param_t p;
     ucs_status_ptr_t    r;
-    ucs_status_t        st;
 
     op->pending     = 0;
     op->error       = UCS_OK;
+    op->ep          = ep;
+    op->notify      = notify;
+    op->notify_len  = notify_len;
     op->slot.status = UCS_INPROGRESS;
     op->slot.req    = NULL;
 
-    memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send      = gpucx__notify_op_cb;
     p.user_data    = op;
@@ -211,23 +260,15 @@ static ucs_status_t gpucx_put_notify(ucp_worker_h worker, ucp_ep_h ep,
     if (r != NULL) {
         op->pending++;
     }
-    /* Everything issued before the fence reaches the target before the
-     * notification issued after it. */
-    st = ucp_worker_fence(worker);
-    if (st != UCS_OK) {
-        op->error = st;
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send      = gpucx__notify_flush_cb;
+    r = ucp_ep_flush_nbx(ep, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+        op->error = UCS_PTR_STATUS(r);
+    } else if (r != NULL) {
+        op->pending++;
     } else {
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                         UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;
-        r       = ucp_am_send_nbx(ep, GPUCX_NOTIFY_AM_ID, NULL, 0, notify,
-                                  notify_len, &p);
-        if (UCS_PTR_IS_ERR(r)) {
-            op->error = UCS_PTR_STATUS(r);
-        } else if (r != NULL) {
-            op->pending++;
-            op->slot.req = r;
-        }
+        gpucx__notify_send_am(op);
     }
     if (op->pending == 0) {
         op->slot.status = op->error;

@@ -7,10 +7,12 @@ Three completion levels:
   done when the data is in the local buffer.
 * **remote** -- after :meth:`Endpoint.flush` (or :meth:`Worker.flush`)
   returns, every put issued before it is visible in the target memory.
-* **notified** -- ``put(..., notify=b"...")`` issues the put, a worker
-  fence, then a small active message on the reserved id ``0xFFFF``; the
-  owner's :meth:`Worker.notifications` yields ``(endpoint, notify)`` only
-  after the data is in place.
+* **notified** -- ``put(..., notify=b"...")`` issues the put, an endpoint
+  flush and, once the flush completed, a small active message on the
+  reserved id ``0xFFFF``; the owner's :meth:`Worker.notifications` yields
+  ``(endpoint, notify)`` only after the data is in place.  (The flush is the
+  fence: ``ucp_worker_fence`` in UCX's default fence mode blocks until the
+  peer progresses, which a non-blocking call must not do.)
 
 Every call checks ``offset``/``nbytes`` against the remote token before UCX
 sees anything.
@@ -102,7 +104,7 @@ def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
     offset : int
         Byte offset into the remote region.
     notify : bytes-like, optional
-        Also tell the owner, after the data is in place (a fence, then an
+        Also tell the owner, after the data is in place (a flush, then an
         active message the owner reads with :meth:`Worker.notifications`).
     timeout : float, optional
         Seconds to wait at most.
@@ -148,8 +150,8 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
     Returns
     -------
     Request
-        Done at local completion (with ``notify``: once the notification
-        is sent too); ``wait()`` returns None.
+        Done at local completion (with ``notify``: once the put completed
+        remotely and the notification was sent); ``wait()`` returns None.
 
     Raises
     ------
@@ -177,7 +179,7 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
                 "put with notify needs the 'am' feature in the Context"
             )
         op = ffi.new("gpucx_notify_op_t *")
-        lib.gpucx_put_notify(w._h, h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
+        lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
         slot = ffi.addressof(op, "slot")
         req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
     rkey._ops.add(req)
@@ -277,7 +279,9 @@ def notifications(worker, timeout: float | None = None) -> list:
     """Notifications received from ``put(..., notify=...)`` so far.
 
     Progresses the worker, then returns every queued notification, oldest
-    first, as ``(endpoint, notify_bytes)`` pairs; ``endpoint`` is the
+    first, as ``(endpoint, notify_bytes)`` pairs (each one after its own
+    put's data; put-with-notify calls outstanding at the same time may
+    notify in any order); ``endpoint`` is the
     :class:`~gpucx.Endpoint` of this worker connected to the sender, or
     None if this side holds none.  A notification is only queued after the
     data of its put is in place.
