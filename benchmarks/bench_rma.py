@@ -6,8 +6,9 @@ between two processes against UCX's own ucx_perftest, in the same run.
 gpucx side: the owner process allocates and exports a region; the client
 process (this one) unpacks the token and measures
 
-* put / get bandwidth: blocking ``ep.put``/``ep.get`` of one message size
-  in a loop, then ``ep.flush()``; bytes / time (MiB/s, like perftest);
+* put / get bandwidth: ``ep.put_nb``/``ep.get_nb`` of one message size,
+  at most 8 outstanding, then ``ep.flush()``; bytes / time (MiB/s, like
+  perftest);
 * put latency: ping-pong of 8-byte puts, each side polling its own memory
   for the peer's value; one-way = half the round trip (like ucp_put_lat);
 * fetch-add latency: blocking ``ep.fetch_add`` per operation (like
@@ -31,6 +32,8 @@ import numpy as np
 
 MiB = 1 << 20
 PORT = 13400
+#: Outstanding put_nb/get_nb requests in the bandwidth loops.
+WINDOW = 8
 
 
 def _config(tls):
@@ -72,6 +75,17 @@ def owner(tls, conn, nbytes):
         region.close()
 
 
+def _window(op, buf, key, n, depth=WINDOW):
+    """``n`` non-blocking operations, at most ``depth`` outstanding."""
+    reqs = []
+    for _ in range(n):
+        if len(reqs) == depth:
+            reqs.pop(0).wait()
+        reqs.append(op(buf, key, 0))
+    for r in reqs:
+        r.wait()
+
+
 def gpucx_side(tls, sizes, iters, lat_iters):
     import gpucx
 
@@ -94,13 +108,11 @@ def gpucx_side(tls, sizes, iters, lat_iters):
             for size in sizes:
                 n = iters[size]
                 buf = src[:size]
-                for name, op in (("put_bw", ep.put), ("get_bw", ep.get)):
-                    for _ in range(3):
-                        op(buf, key, 0)
+                for name, op in (("put_bw", ep.put_nb), ("get_bw", ep.get_nb)):
+                    _window(op, buf, key, 3)
                     ep.flush()
                     t0 = time.perf_counter()
-                    for _ in range(n):
-                        op(buf, key, 0)
+                    _window(op, buf, key, n)
                     ep.flush()
                     dt = time.perf_counter() - t0
                     out[(name, size)] = size * n / dt / MiB
@@ -178,10 +190,16 @@ def perftest(test, size, n, tls):
     )
 
 
+def _keep(best, key, g, p, pick):
+    old = best.get(key)
+    best[key] = (g, p) if old is None else (pick(old[0], g), pick(old[1], p))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tls", default="default", help="default, tcp, sm,self ...")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds; best is kept")
     args = ap.parse_args()
     sizes = [1 * MiB, 16 * MiB]
     iters = {1 * MiB: 200, 16 * MiB: 30}
@@ -189,18 +207,27 @@ def main():
     if args.quick:
         iters = {1 * MiB: 50, 16 * MiB: 10}
         lat_iters = 2000
-    g = gpucx_side(args.tls, sizes, iters, lat_iters)
+    # Alternate gpucx and perftest runs and keep the best of each (the VM
+    # has fast and slow periods).
+    best: dict = {}
+    for _ in range(args.repeat):
+        g = gpucx_side(args.tls, sizes, iters, lat_iters)
+        for size in sizes:
+            for name, test in (("put_bw", "ucp_put_bw"), ("get_bw", "ucp_get")):
+                p = perftest(test, size, iters[size], args.tls)["bw"]
+                _keep(best, (name, size), g[(name, size)], p, max)
+        p = perftest("ucp_put_lat", 8, lat_iters, args.tls)["p50"]
+        _keep(best, ("put_lat", 8), g[("put_lat", 8)], p, min)
+        p = perftest("ucp_fadd", 8, lat_iters, args.tls)["p50"]
+        _keep(best, ("fadd_lat", 8), g[("fadd_lat", 8)], p, min)
     rows = []
     for size in sizes:
-        for name, test in (("put_bw", "ucp_put_bw"), ("get_bw", "ucp_get")):
-            p = perftest(test, size, iters[size], args.tls)
-            rows.append(
-                (f"{name} {size // MiB} MiB", "MiB/s", g[(name, size)], p["bw"])
-            )
-    p = perftest("ucp_put_lat", 8, lat_iters, args.tls)
-    rows.append(("put_lat 8 B (one-way, p50)", "us", g[("put_lat", 8)], p["p50"]))
-    p = perftest("ucp_fadd", 8, lat_iters, args.tls)
-    rows.append(("fetch_add 8 B (per op, p50)", "us", g[("fadd_lat", 8)], p["p50"]))
+        for name in ("put_bw", "get_bw"):
+            gv, pv = best[(name, size)]
+            rows.append((f"{name} {size // MiB} MiB", "MiB/s", gv, pv))
+    rows.append(("put_lat 8 B (one-way, p50)", "us", *best[("put_lat", 8)]))
+    rows.append(("fetch_add 8 B (per op, p50)", "us", *best[("fadd_lat", 8)]))
+    print(f"best of {args.repeat} rounds, window {WINDOW}")
     print(f"tls={args.tls} python={sys.version.split()[0]} cpus={os.cpu_count()}")
     print(
         f"{'test':30} {'unit':6} {'gpucx':>10} {'perftest':>10} {'gpucx/perftest':>15}"
