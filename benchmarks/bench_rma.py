@@ -7,7 +7,7 @@ gpucx side: the owner process allocates and exports a region; the client
 process (this one) unpacks the token and measures
 
 * put / get bandwidth: ``ep.put_nb``/``ep.get_nb`` of one message size,
-  at most 8 outstanding, then ``ep.flush()``; bytes / time (MiB/s, like
+  at most 16 outstanding, then ``ep.flush()``; bytes / time (MiB/s, like
   perftest);
 * put latency: ping-pong of 8-byte puts, each side polling its own memory
   for the peer's value; one-way = half the round trip (like ucp_put_lat);
@@ -33,7 +33,7 @@ import numpy as np
 MiB = 1 << 20
 PORT = 13400
 #: Outstanding put_nb/get_nb requests in the bandwidth loops.
-WINDOW = 8
+WINDOW = 16
 
 
 def _config(tls):
@@ -86,7 +86,7 @@ def _window(op, buf, key, n, depth=WINDOW):
         r.wait()
 
 
-def gpucx_side(tls, sizes, iters, lat_iters):
+def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
     import gpucx
 
     big = max(sizes)
@@ -104,7 +104,9 @@ def gpucx_side(tls, sizes, iters, lat_iters):
             ep = w.connect(address, error_handling=False)
             parent.send((w.address, mine.remote().to_bytes()))
             key = ep.unpack(blob)
-            src = np.ones(big, np.uint8)
+            # Like ucx_perftest, the local buffers are mapped by UCX too.
+            src_region = ctx.allocate(big) if alloc_src else None
+            src = src_region.as_array() if alloc_src else np.ones(big, np.uint8)
             for size in sizes:
                 n = iters[size]
                 buf = src[:size]
@@ -142,6 +144,8 @@ def gpucx_side(tls, sizes, iters, lat_iters):
             key.close()
             ep.close(force=True)
             mine.close()
+            if src_region is not None:
+                src_region.close()
     finally:
         child.join(60)
         if child.is_alive():
