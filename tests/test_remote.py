@@ -117,6 +117,20 @@ def test_context_close_unmaps_regions():
         ctx.allocate(10)
 
 
+def test_context_closes_workers_before_regions():
+    ctx = gpucx.Context()
+    w = ctx.create_worker()
+    region = ctx.allocate(64)  # newer than the worker
+    w2 = ctx.create_worker()
+    order = []
+    for obj in (w, region, w2):
+        obj._release = (lambda o, f: lambda: (order.append(o), f())[1])(
+            obj, obj._release
+        )
+    ctx.close()
+    assert order[-1] is region and set(order[:2]) == {w, w2}
+
+
 def test_pack_rkey_is_stable(ctx):
     with ctx.allocate(64) as region:
         assert region.pack_rkey() == region.pack_rkey()

@@ -209,6 +209,12 @@ def test_notifications_empty_and_timeout(pair):
     assert time.monotonic() - t0 >= 0.15
 
 
+def test_notifications_on_closed_worker(pair):
+    pair.b.close()
+    with pytest.raises(gpucx.ClosedError):
+        pair.b.notifications()
+
+
 def test_notify_too_large_is_refused(pair):
     mem, region, key = exported(pair, 64)
     with pytest.raises(ValueError, match="notify"):

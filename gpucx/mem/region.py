@@ -60,6 +60,10 @@ class MemoryRegion(Handle):
 
     def __init__(self, context, address, nbytes, memory_type, readonly, obj, alloc):
         self._init_handle()
+        # Parents close children newest first; a negative serial puts regions
+        # after every worker, so operations into region memory are drained
+        # (workers closed) before the memory is unmapped.
+        self._serial = -self._serial
         self._context = context
         self.address = address
         self.nbytes = nbytes
