@@ -172,7 +172,8 @@ def test_put_with_notify_orders_data_first(pair, tls):
         # The notification never arrives before the data.
         assert np.array_equal(mem, src), f"round {round_}: data not in place"
         assert [note for _, note in notes] == [b"round %d" % round_]
-        assert notes[0][0] in (pair.ba, None)
+        # The owner's endpoint to the sender (UCX matched b->a with a->b).
+        assert notes[0][0] is pair.ba
         pair.drive(req)
     region.close()
 
@@ -424,6 +425,8 @@ def test_put_with_notify_across_processes(tls):
             kind, result = q.get(60)
             assert [note for note, _, _ in result] == [b"seed=%d" % s for s in seeds]
             assert all(ok for _, ok, _ in result), result
+            # Each notification named the owner's endpoint to this process.
+            assert all(same_ep for _, _, same_ep in result), result
             q.put(("bye",))
             key.close()
             ep.close(force=True)
