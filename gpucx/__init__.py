@@ -20,6 +20,8 @@ from .errors import (
 )
 from .listener import Listener
 from .mem.memtype import MemoryType
+from .mem.region import MemoryRegion
+from .mem.remote import RemoteKey, RemoteMemory
 from .ops.am import AmMessage
 from .ops.tag import TAG_MASK_FULL, ProbedMessage
 from .request import RecvInfo, Request
@@ -37,6 +39,9 @@ __all__ = [
     "ProbedMessage",
     "AmMessage",
     "MemoryType",
+    "MemoryRegion",
+    "RemoteMemory",
+    "RemoteKey",
     "TAG_MASK_FULL",
     "UCXError",
     "ClosedError",

@@ -8,6 +8,7 @@ from . import config as _config
 from ._handle import Handle, raise_closed, register_root
 from ._lib import ffi, lib
 from .errors import check
+from .mem import region as _region
 from .mem.memtype import MemoryType
 
 __all__ = ["Context"]
@@ -91,6 +92,11 @@ class Context(Handle):
         from .worker import Worker
 
         return Worker(self, thread_mode)
+
+    # -- memory domain (facades over gpucx.mem.region) -------------------------
+
+    register = _region.register
+    allocate = _region.allocate
 
     def _release(self) -> None:
         lib.ucp_cleanup(self._h)

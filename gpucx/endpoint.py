@@ -9,6 +9,8 @@ from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, error_for, status_name
 from .ops import am as _am
 from .ops import arrays as _arrays
+from .ops import atomic as _atomic
+from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
 from .request import INPROGRESS, finish, new_slot
@@ -158,6 +160,33 @@ class Endpoint(Handle):
     send_array = _arrays.send_array
     send_array_nb = _arrays.send_array_nb
     recv_array = _arrays.recv_array
+    # -- RMA and atomics (facades over gpucx.ops.rma / gpucx.ops.atomic) ------
+
+    unpack = _rma.unpack
+    put = _rma.put
+    put_nb = _rma.put_nb
+    get = _rma.get
+    get_nb = _rma.get_nb
+    atomic_add = _atomic.atomic_add
+    atomic_and = _atomic.atomic_and
+    atomic_or = _atomic.atomic_or
+    atomic_xor = _atomic.atomic_xor
+    fetch_add = _atomic.fetch_add
+    fetch_and = _atomic.fetch_and
+    fetch_or = _atomic.fetch_or
+    fetch_xor = _atomic.fetch_xor
+    swap = _atomic.swap
+    compare_swap = _atomic.compare_swap
+    atomic_add_nb = _atomic.atomic_add_nb
+    atomic_and_nb = _atomic.atomic_and_nb
+    atomic_or_nb = _atomic.atomic_or_nb
+    atomic_xor_nb = _atomic.atomic_xor_nb
+    fetch_add_nb = _atomic.fetch_add_nb
+    fetch_and_nb = _atomic.fetch_and_nb
+    fetch_or_nb = _atomic.fetch_or_nb
+    fetch_xor_nb = _atomic.fetch_xor_nb
+    swap_nb = _atomic.swap_nb
+    compare_swap_nb = _atomic.compare_swap_nb
 
     # -- lifetime -------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
+from .ops import rma as _rma
 from .ops import tag as _tag
 from .request import _DRAIN_S, INPROGRESS, finish, new_slot
 
@@ -62,6 +63,7 @@ class Worker(Handle):
         self._reply_eps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
         context._adopt(self)
+        _rma.worker_init(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else self.thread_mode
@@ -224,6 +226,10 @@ class Worker(Handle):
         self._reply_eps[key] = ep
         return ep
 
+    # -- put-with-notify, owner side (facade over gpucx.ops.rma) --------------
+
+    notifications = _rma.notifications
+
     # -- request bookkeeping --------------------------------------------------
 
     def _track(self, req) -> None:
@@ -264,6 +270,7 @@ class Worker(Handle):
             lib.gpucx_slot_release(slot)
         _am.detach(self)
         lib.ucp_worker_destroy(h)
+        _rma.worker_release(self)
         # Whatever UCX still held is gone with the worker: settle it.
         for req in list(self._pending):
             req._slot.req = ffi.NULL

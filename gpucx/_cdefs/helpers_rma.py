@@ -1,0 +1,79 @@
+"""gpucx/_csrc/rma.c and atomic.c: regions, remote keys, RMA, atomics."""
+
+TYPES = """
+typedef struct gpucx_notify_op {
+    gpucx_slot_t slot;
+    ...;
+} gpucx_notify_op_t;
+
+typedef struct gpucx_notice {
+    ucp_ep_h ep;
+    size_t length;
+    char data[];
+    ...;
+} gpucx_notice_t;
+
+typedef struct gpucx_notify_q {
+    size_t count;
+    size_t dropped;
+    ...;
+} gpucx_notify_q_t;
+
+typedef struct gpucx_amo {
+    gpucx_slot_t slot;
+    ...;
+} gpucx_amo_t;
+
+static const unsigned GPUCX_NOTIFY_ID;
+static const unsigned GPUCX_NOTIFY_MAX_LEN;
+static const int GPUCX_AMO_ADD;
+static const int GPUCX_AMO_SWAP;
+static const int GPUCX_AMO_CSWAP;
+static const int GPUCX_AMO_AND;
+static const int GPUCX_AMO_OR;
+static const int GPUCX_AMO_XOR;
+"""
+
+FUNCTIONS = """
+ucs_status_t gpucx_mem_map(ucp_context_h ctx, void *address, size_t length,
+                           int memory_type, int allocate, ucp_mem_h *memh,
+                           uint64_t *addr_out, size_t *len_out,
+                           int *memtype_out);
+ucs_status_t gpucx_mem_unmap(ucp_context_h ctx, ucp_mem_h memh);
+ucs_status_t gpucx_rkey_pack(ucp_context_h ctx, ucp_mem_h memh, void **out,
+                             size_t *len);
+ucs_status_t gpucx_rkey_unpack(ucp_ep_h ep, const void *blob, ucp_rkey_h *rkey);
+void gpucx_rkey_destroy(ucp_rkey_h rkey);
+
+ucs_status_t gpucx_put(ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr,
+                       ucp_rkey_h rkey, int memory_type, gpucx_slot_t *slot);
+ucs_status_t gpucx_get(ucp_ep_h ep, void *buf, size_t len, uint64_t raddr,
+                       ucp_rkey_h rkey, int memory_type, gpucx_slot_t *slot);
+ucs_status_t gpucx_put_wait(ucp_worker_h worker, ucp_ep_h ep, const void *buf,
+                            size_t len, uint64_t raddr, ucp_rkey_h rkey,
+                            int memory_type, gpucx_slot_t *slot,
+                            uint64_t spin_ns);
+ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
+                            size_t len, uint64_t raddr, ucp_rkey_h rkey,
+                            int memory_type, gpucx_slot_t *slot,
+                            uint64_t spin_ns);
+ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
+                              uint64_t raddr, ucp_rkey_h rkey, int memory_type,
+                              const void *notify, size_t notify_len,
+                              gpucx_notify_op_t *op);
+
+ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q);
+gpucx_notice_t *gpucx_notify_pop(gpucx_notify_q_t *q);
+void gpucx_notify_clear(gpucx_notify_q_t *q);
+size_t gpucx_notify_wait(ucp_worker_h worker, gpucx_notify_q_t *q,
+                         uint64_t spin_ns);
+
+ucs_status_t gpucx_atomic(ucp_ep_h ep, int opcode, int fetch, uint64_t operand,
+                          uint64_t swap, size_t nbytes, uint64_t raddr,
+                          ucp_rkey_h rkey, gpucx_amo_t *amo);
+ucs_status_t gpucx_atomic_wait(ucp_worker_h worker, ucp_ep_h ep, int opcode,
+                               int fetch, uint64_t operand, uint64_t swap,
+                               size_t nbytes, uint64_t raddr, ucp_rkey_h rkey,
+                               gpucx_amo_t *amo, uint64_t spin_ns);
+uint64_t gpucx_amo_result(const gpucx_amo_t *amo, size_t nbytes);
+"""

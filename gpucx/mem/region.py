@@ -1,0 +1,274 @@
+"""Registered memory: :class:`MemoryRegion` (``ucp_mem_map``).
+
+A region is memory UCX has mapped for remote access: existing memory
+(:func:`register`, which holds the object alive while mapped) or memory UCX
+allocates (:func:`allocate`).  Its :meth:`~MemoryRegion.remote` token lets a
+peer put, get and run atomics on it.  Regions are children of their
+:class:`~gpucx.Context`: closing the context unmaps every region.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from .._handle import Handle, raise_closed
+from .._lib import ffi, lib
+from ..errors import check
+from .buffer import as_buffer
+from .memtype import CUDA_TYPES, MemoryType
+from .remote import RemoteMemory
+
+__all__ = ["MemoryRegion", "register", "allocate"]
+
+
+class _HostView:
+    """Exports region memory to NumPy and keeps the region referenced."""
+
+    __slots__ = ("__array_interface__", "_region")
+
+    def __init__(self, region, typestr: str, shape: tuple[int, ...]):
+        self._region = region
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": typestr,
+            "data": (region.address, region.readonly),
+        }
+
+
+class MemoryRegion(Handle):
+    """Memory mapped by UCX for remote access.
+
+    Made by :meth:`Context.register` or :meth:`Context.allocate`; close it
+    (or the context) to unmap.  Unmapping waits for nothing: peers holding
+    a key to it must stop using it first (their later accesses fail or hit
+    whatever the memory holds by then).
+
+    Attributes
+    ----------
+    address : int
+        Address of the first byte.
+    nbytes : int
+        Size in bytes.
+    memory_type : MemoryType
+        Where the memory lives.
+    readonly : bool
+        Registered read-only: the token forbids remote writes.
+    obj : object or None
+        The registered object (held while mapped); None for allocations.
+    """
+
+    def __init__(self, context, address, nbytes, memory_type, readonly, obj, alloc):
+        self._init_handle()
+        # Parents close children newest first; a negative serial puts regions
+        # after every worker, so operations into region memory are drained
+        # (workers closed) before the memory is unmapped.
+        self._serial = -self._serial
+        self._context = context
+        self.address = address
+        self.nbytes = nbytes
+        self.memory_type = memory_type
+        self.readonly = readonly
+        self.obj = obj
+        self._alloc = alloc
+        self._packed: bytes | None = None
+        context._adopt(self)
+
+    def __repr__(self) -> str:
+        kind = "allocated" if self._alloc else "registered"
+        state = "closed" if self._h is None else f"{self.address:#x}+{self.nbytes}"
+        return f"<gpucx.MemoryRegion {kind} {self.memory_type.name} {state}>"
+
+    def pack_rkey(self) -> bytes:
+        """The packed UCX remote key of this region (``ucp_rkey_pack``).
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the region is closed.
+        """
+        if self._h is None:
+            raise_closed(self)
+        if self._packed is None:
+            out = ffi.new("void **")
+            n = ffi.new("size_t *")
+            ctx = self._context
+            if ctx._h is None:
+                raise_closed(ctx)
+            check(lib.gpucx_rkey_pack(ctx._h, self._h, out, n), "ucp_rkey_pack")
+            try:
+                self._packed = bytes(ffi.buffer(out[0], n[0]))
+            finally:
+                lib.gpucx_free(out[0])
+        return self._packed
+
+    def remote(self) -> RemoteMemory:
+        """The token a peer unpacks with :meth:`Endpoint.unpack`.
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the region is closed.
+        """
+        rkey = self.pack_rkey()
+        return RemoteMemory(
+            self.address, self.nbytes, self.memory_type, rkey, self.readonly
+        )
+
+    def as_array(self, dtype=numpy.uint8, shape=None):
+        """A NumPy (host) or CuPy (CUDA) array viewing the region.
+
+        The view keeps the region object referenced, but does not keep it
+        mapped: do not use views after :meth:`close` of an allocated region.
+
+        Parameters
+        ----------
+        dtype : numpy dtype, optional
+            Element type (default ``uint8``).
+        shape : int or tuple of int, optional
+            Default: as many elements as fit in the region.
+
+        Raises
+        ------
+        ValueError
+            If the shape needs more bytes than the region has, or the region
+            size is not a multiple of the item size (without ``shape``).
+        gpucx.UnsupportedError
+            For device memory without CuPy, or memory types without a view.
+        gpucx.ClosedError
+            If the region is closed.
+        """
+        if self._h is None:
+            raise_closed(self)
+        dt = numpy.dtype(dtype)
+        if shape is None:
+            if self.nbytes % dt.itemsize:
+                raise ValueError(
+                    f"the region's {self.nbytes} bytes are not a whole number of "
+                    f"{dt} items; pass shape="
+                )
+            shape = (self.nbytes // dt.itemsize,)
+        elif isinstance(shape, int):
+            shape = (shape,)
+        shape = tuple(int(s) for s in shape)
+        need = dt.itemsize * int(numpy.prod(shape, dtype=numpy.int64))
+        if any(s < 0 for s in shape) or need > self.nbytes:
+            raise ValueError(
+                f"shape {shape} of {dt} needs {need} bytes; the region has "
+                f"{self.nbytes}"
+            )
+        if self.memory_type == MemoryType.HOST:
+            return numpy.asarray(_HostView(self, dt.str, shape))
+        if self.memory_type in CUDA_TYPES:
+            return _cupy_view(self, dt, shape, need)
+        from ..errors import UnsupportedError
+
+        raise UnsupportedError(
+            f"no array view for {self.memory_type.name} memory regions"
+        )
+
+    def _release(self) -> None:
+        ctx = self._context
+        if ctx._h is not None:
+            lib.gpucx_mem_unmap(ctx._h, self._h)
+        self.obj = None
+
+
+def _cupy_view(region, dt, shape, need):
+    from ..errors import UnsupportedError
+
+    try:
+        import cupy
+    except ImportError:
+        raise UnsupportedError("viewing a CUDA region as an array needs CuPy") from None
+    mem = cupy.cuda.UnownedMemory(region.address, need, region)
+    return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool):
+    memh = ffi.new("ucp_mem_h *")
+    addr = ffi.new("uint64_t *")
+    length = ffi.new("size_t *")
+    mtype = ffi.new("int *")
+    st = lib.gpucx_mem_map(
+        ctx._h, ptr, nbytes, memory_type, 1 if alloc else 0, memh, addr, length, mtype
+    )
+    check(st, "ucp_mem_map")
+    return memh[0], addr[0], length[0], mtype[0]
+
+
+def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
+    """Map existing memory for remote access (``ucp_mem_map``).
+
+    Parameters
+    ----------
+    obj : object
+        Anything :func:`gpucx.mem.as_buffer` accepts (host or device
+        memory, one contiguous block, at least one byte).  It is held alive
+        while the region is mapped.
+    writable : bool, optional
+        ``True`` (default): peers may put and run atomics; the memory must
+        be writable.  ``False``: the token is read-only (gets only).
+
+    Returns
+    -------
+    MemoryRegion
+
+    Raises
+    ------
+    BufferError
+        If ``obj`` is not contiguous, or read-only with ``writable=True``.
+    ValueError
+        If ``obj`` has no bytes.
+    gpucx.UCXError
+        If UCX cannot map it (``UnsupportedError`` for a memory type no
+        transport of this context handles).
+    gpucx.ClosedError
+        If the context is closed.
+    """
+    if ctx._h is None:
+        raise_closed(ctx)
+    buf = as_buffer(obj, writable)
+    if buf.nbytes == 0:
+        raise ValueError("cannot register an empty buffer (0 bytes)")
+    memh, _addr, _len, _mt = _map(
+        ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
+    )
+    region = MemoryRegion(
+        ctx, buf.ptr, buf.nbytes, buf.memory_type, not writable, buf.owner, False
+    )
+    region._h = memh
+    return region
+
+
+def allocate(
+    ctx, nbytes: int, memory_type: MemoryType = MemoryType.HOST
+) -> MemoryRegion:
+    """Let UCX allocate and map ``nbytes`` (``UCP_MEM_MAP_ALLOCATE``).
+
+    Raises
+    ------
+    ValueError
+        If ``nbytes`` is not positive.
+    TypeError
+        If ``nbytes`` is not an int.
+    gpucx.UCXError
+        If UCX cannot allocate that memory type here.
+    gpucx.ClosedError
+        If the context is closed.
+    """
+    if ctx._h is None:
+        raise_closed(ctx)
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+        raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, not {nbytes}")
+    mt = MemoryType(memory_type)
+    memh, addr, _length, got = _map(ctx, ffi.NULL, nbytes, int(mt), True)
+    try:
+        got_mt = MemoryType(got)
+    except ValueError:
+        got_mt = mt
+    region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
+    region._h = memh
+    return region

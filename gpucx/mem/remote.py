@@ -1,0 +1,313 @@
+"""Remote memory: the token a region's owner hands out, and the key made
+from it on an endpoint.
+
+:class:`RemoteMemory` is a self-describing, immutable token: the address,
+size and memory type of a registered region plus its packed UCX remote key.
+It travels as bytes in a fixed layout (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic b"GXRM"
+    4       1     format version (1)
+    5       1     memory type (ucs_memory_type_t value)
+    6       2     flags (bit 0: read-only; other bits must be 0)
+    8       8     address of the first byte in the owner's process
+    16      8     nbytes
+    24      4     rkey_len: length of the packed UCX remote key (1..65536)
+    28      R     packed remote key (ucp_rkey_pack)
+    28+R    4     CRC-32 (zlib) of bytes 0 .. 28+R
+
+Pickling a :class:`RemoteMemory` goes through the same bytes; nothing but
+these fields is ever deserialized.  :meth:`RemoteMemory.from_bytes` rejects
+truncated, oversized, foreign, newer or corrupted blobs with a
+:class:`ValueError` before UCX sees them.
+
+:class:`RemoteKey` is a token unpacked on one endpoint
+(``ucp_ep_rkey_unpack``): what RMA and atomic calls take.  It bounds-checks
+every access against the token, so a peer reaches exactly the bytes that
+were exported to it.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import weakref
+import zlib
+
+from .._handle import Handle, raise_closed
+from .._lib import ffi, lib
+from ..errors import check
+from ..request import _DRAIN_S, INPROGRESS
+from .memtype import MemoryType
+
+__all__ = ["RemoteMemory", "RemoteKey", "MAGIC", "FORMAT_VERSION"]
+
+#: First four bytes of every token.
+MAGIC = b"GXRM"
+#: The token layout this gpucx writes and reads.
+FORMAT_VERSION = 1
+#: Largest packed remote key a token may carry.
+MAX_RKEY_LEN = 1 << 16
+
+FLAG_READONLY = 1
+_KNOWN_FLAGS = FLAG_READONLY
+
+_HEADER = struct.Struct("<4sBBHQQI")
+_CRC = struct.Struct("<I")
+_MIN_LEN = _HEADER.size + 1 + _CRC.size
+_U64 = 1 << 64
+
+
+class RemoteMemory:
+    """What a peer needs to reach a registered region: address, size,
+    memory type, read-only flag and the packed UCX remote key.
+
+    Made by :meth:`MemoryRegion.remote` or :meth:`from_bytes`; immutable.
+
+    Attributes
+    ----------
+    address : int
+        Address of the region's first byte in the owner's process.
+    nbytes : int
+        Size of the region in bytes.
+    memory_type : MemoryType
+        Where the region lives on the owner's side.
+    rkey : bytes
+        The packed UCX remote key.
+    readonly : bool
+        The owner exported the region for reading only: puts and atomics
+        are refused.
+    """
+
+    __slots__ = ("address", "nbytes", "memory_type", "rkey", "readonly")
+    address: int
+    nbytes: int
+    memory_type: MemoryType
+    rkey: bytes
+    readonly: bool
+
+    def __init__(
+        self,
+        address: int,
+        nbytes: int,
+        memory_type: MemoryType,
+        rkey: bytes,
+        readonly: bool = False,
+    ):
+        object.__setattr__(self, "address", int(address))
+        object.__setattr__(self, "nbytes", int(nbytes))
+        object.__setattr__(self, "memory_type", MemoryType(memory_type))
+        object.__setattr__(self, "rkey", bytes(rkey))
+        object.__setattr__(self, "readonly", bool(readonly))
+
+    def __setattr__(self, name, value):
+        raise AttributeError("RemoteMemory is immutable")
+
+    def __repr__(self) -> str:
+        ro = ", readonly" if self.readonly else ""
+        return (
+            f"<gpucx.RemoteMemory address={self.address:#x} nbytes={self.nbytes} "
+            f"{self.memory_type.name} rkey={len(self.rkey)} bytes{ro}>"
+        )
+
+    def __eq__(self, other):
+        if not isinstance(other, RemoteMemory):
+            return NotImplemented
+        return self.to_bytes() == other.to_bytes()
+
+    def __hash__(self) -> int:
+        return hash(self.to_bytes())
+
+    def __reduce__(self):
+        return (RemoteMemory.from_bytes, (self.to_bytes(),))
+
+    def to_bytes(self) -> bytes:
+        """The token in the documented binary layout (see the module doc)."""
+        head = _HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            int(self.memory_type),
+            FLAG_READONLY if self.readonly else 0,
+            self.address,
+            self.nbytes,
+            len(self.rkey),
+        )
+        body = head + self.rkey
+        return body + _CRC.pack(zlib.crc32(body))
+
+    @classmethod
+    def from_bytes(cls, blob) -> RemoteMemory:
+        """Parse a token made by :meth:`to_bytes`.
+
+        Parameters
+        ----------
+        blob : bytes-like
+            The token.
+
+        Raises
+        ------
+        TypeError
+            If ``blob`` is not bytes-like.
+        ValueError
+            For a blob that is truncated, oversized, does not start with the
+            magic, has another format version, fails its checksum, or
+            carries an impossible field (the message says which).
+        """
+        try:
+            data = bytes(memoryview(blob).cast("B"))
+        except TypeError:
+            raise TypeError(
+                f"a remote-memory token is bytes, not {type(blob).__name__}"
+            ) from None
+        n = len(data)
+        if n < _MIN_LEN:
+            raise ValueError(
+                f"remote-memory token truncated: {n} bytes, at least {_MIN_LEN} "
+                "are needed"
+            )
+        magic, version, mtype, flags, address, nbytes, rlen = _HEADER.unpack_from(data)
+        if magic != MAGIC:
+            raise ValueError(
+                f"not a gpucx remote-memory token: magic {magic!r}, expected {MAGIC!r}"
+            )
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"remote-memory token format version {version}; this gpucx reads "
+                f"version {FORMAT_VERSION}"
+            )
+        if not 0 < rlen <= MAX_RKEY_LEN:
+            raise ValueError(
+                f"remote-memory token: rkey length {rlen} outside 1..{MAX_RKEY_LEN}"
+            )
+        want = _HEADER.size + rlen + _CRC.size
+        if n < want:
+            raise ValueError(
+                f"remote-memory token truncated: {n} bytes, the header says {want}"
+            )
+        if n > want:
+            raise ValueError(
+                f"remote-memory token oversized: {n} bytes, the header says {want}"
+            )
+        body = data[: want - _CRC.size]
+        (crc,) = _CRC.unpack_from(data, want - _CRC.size)
+        if zlib.crc32(body) != crc:
+            raise ValueError("remote-memory token corrupted: checksum mismatch")
+        if flags & ~_KNOWN_FLAGS:
+            raise ValueError(f"remote-memory token: unknown flags {flags:#x}")
+        try:
+            memory_type = MemoryType(mtype)
+        except ValueError:
+            raise ValueError(
+                f"remote-memory token: unknown memory type {mtype}"
+            ) from None
+        if address + nbytes > _U64:
+            raise ValueError(
+                f"remote-memory token: region {address:#x} + {nbytes} bytes "
+                "wraps the address space"
+            )
+        return cls(
+            address,
+            nbytes,
+            memory_type,
+            data[_HEADER.size : _HEADER.size + rlen],
+            bool(flags & FLAG_READONLY),
+        )
+
+
+def as_remote(obj) -> RemoteMemory:
+    """A :class:`RemoteMemory`, or a token's bytes parsed into one.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :meth:`RemoteMemory.from_bytes`.
+    """
+    if isinstance(obj, RemoteMemory):
+        return obj
+    return RemoteMemory.from_bytes(obj)
+
+
+class RemoteKey(Handle):
+    """A :class:`RemoteMemory` unpacked on one endpoint
+    (``ucp_ep_rkey_unpack``); made by :meth:`Endpoint.unpack`.
+
+    A child of its endpoint: closing the endpoint closes the key first.
+    Closing waits (bounded) for RMA and atomic requests still using it.
+
+    Attributes
+    ----------
+    remote : RemoteMemory
+        The token it was unpacked from.
+    endpoint : Endpoint
+        The endpoint it is bound to; RMA through any other is refused.
+    """
+
+    def __init__(self, ep, remote: RemoteMemory):
+        h = ep._h
+        if h is None:
+            raise_closed(ep)
+        out = ffi.new("ucp_rkey_h *")
+        check(lib.gpucx_rkey_unpack(h, remote.rkey, out), "ucp_ep_rkey_unpack")
+        self._init_handle()
+        self._h = out[0]
+        self.remote = remote
+        self.endpoint = ep
+        self._ops: weakref.WeakSet = weakref.WeakSet()
+        ep._adopt(self)
+
+    def __repr__(self) -> str:
+        r = self.remote
+        state = "closed" if self._h is None else f"{r.address:#x}+{r.nbytes}"
+        return f"<gpucx.RemoteKey {state}>"
+
+    @property
+    def address(self) -> int:
+        """Remote address of the region's first byte."""
+        return self.remote.address
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the remote region in bytes."""
+        return self.remote.nbytes
+
+    @property
+    def memory_type(self) -> MemoryType:
+        """Memory type of the remote region."""
+        return self.remote.memory_type
+
+    def _target(self, ep, offset, nbytes: int, what: str, write: bool) -> int:
+        """Check an access and return the remote address (before UCX)."""
+        if self._h is None:
+            raise_closed(self)
+        if ep is not self.endpoint:
+            raise ValueError(
+                f"{what}: this RemoteKey was unpacked on {self.endpoint!r}, not "
+                f"{ep!r}; unpack the token on each endpoint"
+            )
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(
+                f"{what}: offset must be an int, not {type(offset).__name__}"
+            )
+        size = self.remote.nbytes
+        if offset < 0 or nbytes < 0 or offset + nbytes > size:
+            raise ValueError(
+                f"{what}: offset={offset} nbytes={nbytes} is outside the remote "
+                f"region of {size} bytes"
+            )
+        if write and self.remote.readonly:
+            raise ValueError(f"{what}: the remote region was exported read-only")
+        return self.remote.address + offset
+
+    def _release(self) -> None:
+        pending = [r for r in self._ops if r._slot.status == INPROGRESS]
+        w = self.endpoint._w
+        if pending and w._h is not None:
+            end = time.monotonic() + _DRAIN_S
+            while time.monotonic() < end and any(
+                r._slot.status == INPROGRESS for r in pending
+            ):
+                lib.ucp_worker_progress(w._h)
+            if any(r._slot.status == INPROGRESS for r in pending):
+                # UCX may still read the key: never free it under UCX.
+                return
+        lib.gpucx_rkey_destroy(self._h)

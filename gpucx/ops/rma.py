@@ -1,0 +1,327 @@
+"""One-sided operations: remote keys, put/get, put-with-notify.
+
+Three completion levels:
+
+* **local** -- a put's request is done (or blocking ``put`` returned): the
+  source buffer may be reused; the data may still be in flight.  A get is
+  done when the data is in the local buffer.
+* **remote** -- after :meth:`Endpoint.flush` (or :meth:`Worker.flush`)
+  returns, every put issued before it is visible in the target memory.
+* **notified** -- ``put(..., notify=b"...")`` issues the put, an endpoint
+  flush and, once the flush completed, a small active message on the
+  reserved id ``0xFFFF``; the owner's :meth:`Worker.notifications` yields
+  ``(endpoint, notify)`` only after the data is in place.  (The flush is the
+  fence: ``ucp_worker_fence`` in UCX's default fence mode blocks until the
+  peer progresses, which a non-blocking call must not do.)
+
+Every call checks ``offset``/``nbytes`` against the remote token before UCX
+sees anything.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._handle import raise_closed
+from .._lib import ffi, lib
+from ..errors import UnsupportedError
+from ..mem.buffer import acquire
+from ..mem.remote import RemoteKey, as_remote
+from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+
+__all__ = [
+    "unpack",
+    "put",
+    "put_nb",
+    "get",
+    "get_nb",
+    "notifications",
+    "NOTIFY_AM_ID",
+    "NOTIFY_MAX",
+]
+
+#: Active-message id gpucx reserves for put-with-notify (top of the range).
+NOTIFY_AM_ID = lib.GPUCX_NOTIFY_ID
+#: Largest ``notify`` payload in bytes.
+NOTIFY_MAX = lib.GPUCX_NOTIFY_MAX_LEN
+
+_PUT = "put"
+_GET = "get"
+_SLICE_MS = 100
+
+
+def unpack(ep, remote) -> RemoteKey:
+    """Unpack a remote-memory token on this endpoint (``ucp_ep_rkey_unpack``).
+
+    Parameters
+    ----------
+    remote : RemoteMemory or bytes-like
+        The owner's :meth:`MemoryRegion.remote` token or its ``to_bytes()``.
+
+    Returns
+    -------
+    RemoteKey
+        A child of this endpoint (closed with it).
+
+    Raises
+    ------
+    ValueError
+        For a malformed token blob (see :meth:`RemoteMemory.from_bytes`).
+    TypeError
+        If ``remote`` is neither a token nor bytes-like.
+    gpucx.UCXError
+        If UCX cannot unpack the key.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    """
+    if ep._h is None:
+        raise_closed(ep)
+    return RemoteKey(ep, as_remote(remote))
+
+
+def _key(rkey) -> RemoteKey:
+    if not isinstance(rkey, RemoteKey):
+        raise TypeError(
+            f"expected a RemoteKey from Endpoint.unpack(), not {type(rkey).__name__}"
+        )
+    return rkey
+
+
+def _sync_slot(w):
+    return new_slot() if w._multi else w._sslot
+
+
+def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
+    """Write ``buf`` into the remote region at byte ``offset``; return once
+    ``buf`` may be reused (local completion, see the module doc).
+
+    Parameters
+    ----------
+    buf : buffer
+        Any object :func:`gpucx.mem.as_buffer` accepts, host or device.
+    rkey : RemoteKey
+        From :meth:`Endpoint.unpack` on this endpoint.
+    offset : int
+        Byte offset into the remote region.
+    notify : bytes-like, optional
+        Also tell the owner, after the data is in place (a flush, then an
+        active message the owner reads with :meth:`Worker.notifications`).
+    timeout : float, optional
+        Seconds to wait at most.
+
+    Raises
+    ------
+    ValueError
+        If ``offset``/``nbytes`` fall outside the remote region (naming
+        them), the key belongs to another endpoint, the region is
+        read-only, or ``notify`` is longer than ``NOTIFY_MAX``.
+    TypeError
+        If ``rkey`` is not a RemoteKey.
+    gpucx.UnsupportedError
+        ``notify`` on a context without the ``"am"`` feature.
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.TimeoutError
+        When ``timeout`` passes first.
+    gpucx.ClosedError
+        If the endpoint or the key is closed.
+    """
+    if notify is not None:
+        put_nb(ep, buf, rkey, offset, notify=notify).wait(timeout)
+        return
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, False)
+    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
+    w = ep._w
+    slot = _sync_slot(w)
+    st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, timeout, (keep, rkey))
+        if st:
+            raise_status(st, _PUT, ep)
+
+
+def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
+    """Start a put (see :func:`put`).
+
+    Returns
+    -------
+    Request
+        Done at local completion (with ``notify``: once the put completed
+        remotely and the notification was sent); ``wait()`` returns None.
+
+    Raises
+    ------
+    ValueError, TypeError, gpucx.UnsupportedError, gpucx.ClosedError
+        As for :func:`put`, before anything is posted.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, False)
+    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
+    w = ep._w
+    if notify is None:
+        slot = new_slot()
+        lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
+        req = Request(w, slot, (keep, rkey), _PUT, None, ep)
+    else:
+        note = bytes(memoryview(notify).cast("B"))
+        if len(note) > NOTIFY_MAX:
+            raise ValueError(
+                f"notify is {len(note)} bytes; at most {NOTIFY_MAX} are allowed"
+            )
+        if "am" not in w._context.features:
+            raise UnsupportedError(
+                "put with notify needs the 'am' feature in the Context"
+            )
+        op = ffi.new("gpucx_notify_op_t *")
+        lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
+        slot = ffi.addressof(op, "slot")
+        req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
+    rkey._ops.add(req)
+    return req
+
+
+def get(ep, buf, rkey, offset: int = 0, *, timeout=None) -> None:
+    """Read ``len(buf)`` bytes of the remote region at ``offset`` into
+    ``buf``; return when they are there.
+
+    Raises
+    ------
+    ValueError
+        If ``offset``/``nbytes`` fall outside the remote region (naming
+        them), or the key belongs to another endpoint.
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    TypeError
+        If ``rkey`` is not a RemoteKey.
+    gpucx.PeerError
+        If the peer died or is unreachable.
+    gpucx.TimeoutError
+        When ``timeout`` passes first.
+    gpucx.ClosedError
+        If the endpoint or the key is closed.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, True)
+    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    w = ep._w
+    slot = _sync_slot(w)
+    st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    if st:
+        if st == INPROGRESS:
+            st = block(w, slot, timeout, (keep, rkey))
+        if st:
+            raise_status(st, _GET, ep)
+
+
+def get_nb(ep, buf, rkey, offset: int = 0) -> Request:
+    """Start a get (see :func:`get`).
+
+    Returns
+    -------
+    Request
+        Done when the data is in ``buf``; ``wait()`` returns None.
+
+    Raises
+    ------
+    ValueError, BufferError, TypeError, gpucx.ClosedError
+        As for :func:`get`, before anything is posted.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, True)
+    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    slot = new_slot()
+    lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
+    req = Request(ep._w, slot, (keep, rkey), _GET, None, ep)
+    rkey._ops.add(req)
+    return req
+
+
+# -- the owner's side of put-with-notify --------------------------------------
+
+
+def worker_init(worker) -> None:
+    """Install the C handler for notifications on a new worker."""
+    q = ffi.new("gpucx_notify_q_t *")
+    worker._notify_q = q
+    if "am" in worker._context.features:
+        st = lib.gpucx_notify_init(worker._h, q)
+        if st != lib.UCS_OK:
+            raise_status(st, "ucp_worker_set_am_recv_handler(notify)")
+
+
+def worker_release(worker) -> None:
+    """Free queued notifications (the worker is being destroyed)."""
+    q = getattr(worker, "_notify_q", None)
+    if q is not None:
+        lib.gpucx_notify_clear(q)
+
+
+def _endpoint_for(worker, ep_h):
+    if ep_h == ffi.NULL:
+        return None
+    for child in list(worker._children):
+        if getattr(child, "_state", None) is not None and child._h == ep_h:
+            return child
+    return None
+
+
+def notifications(worker, timeout: float | None = None) -> list:
+    """Notifications received from ``put(..., notify=...)`` so far.
+
+    Progresses the worker, then returns every queued notification, oldest
+    first, as ``(endpoint, notify_bytes)`` pairs (each one after its own
+    put's data; put-with-notify calls outstanding at the same time may
+    notify in any order); ``endpoint`` is the
+    :class:`~gpucx.Endpoint` of this worker connected to the sender, or
+    None if this side holds none.  A notification is only queued after the
+    data of its put is in place.
+
+    Parameters
+    ----------
+    timeout : float, optional
+        None (default): do not wait, return what is there (maybe ``[]``).
+        A number: wait up to that many seconds for at least one
+        notification; ``[]`` if none came.
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    h = worker._h
+    if h is None:
+        raise_closed(worker)
+    q = worker._notify_q
+    if timeout is None or timeout <= 0:
+        lib.ucp_worker_progress(h)
+    elif not lib.gpucx_notify_wait(h, q, SPIN_NS):
+        deadline = time.monotonic() + timeout
+        while q.count == 0:
+            worker._poll_events()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ms = min(_SLICE_MS, max(1, int(left * 1000)))
+            lib.gpucx_worker_sleep(h, worker._efd, ms)
+    out = []
+    while True:
+        n = lib.gpucx_notify_pop(q)
+        if n == ffi.NULL:
+            break
+        try:
+            out.append(
+                (_endpoint_for(worker, n.ep), bytes(ffi.buffer(n.data, n.length)))
+            )
+        finally:
+            lib.gpucx_free(n)
+    return out
