@@ -48,7 +48,12 @@ class Endpoint(Handle):
         if isinstance(address, (bytes, bytearray, memoryview)):
             blob = bytes(address)
             _check_worker_address(blob, worker.address)
-            st = lib.gpucx_ep_create_address(wstate, blob, mode, state)
+            # UCX parses addresses without a length: a truncated blob makes it
+            # read past the end.  Hand it a zero-padded copy so such reads stay
+            # in memory we own and the outcome is deterministic.
+            padded = ffi.new("char[]", len(blob) + _ADDRESS_PAD)
+            ffi.memmove(padded, blob, len(blob))
+            st = lib.gpucx_ep_create_address(wstate, padded, mode, state)
             peer = f"worker address ({len(blob)} bytes)"
         elif isinstance(address, tuple) and len(address) == 2:
             host, port = address
@@ -66,9 +71,14 @@ class Endpoint(Handle):
         if not isinstance(address, tuple) and st in (
             lib.UCS_ERR_INVALID_ADDR,
             lib.UCS_ERR_INVALID_PARAM,
+            lib.UCS_ERR_UNREACHABLE,
         ):
+            # Nothing is sent yet: the blob itself is malformed, or names no
+            # transport this worker can use (e.g. a TLS mismatch).
             raise InvalidAddressError(
-                f"ucp_ep_create: malformed worker address ({status_name(st)})", st
+                f"ucp_ep_create: unusable worker address ({status_name(st)}): "
+                "malformed, or no transport in it is reachable from here",
+                st,
             )
         if st == lib.UCS_ERR_INVALID_ADDR:
             raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
@@ -261,3 +271,4 @@ def _check_worker_address(blob: bytes, local: bytes) -> None:
 
 
 _ADDRESS_VERSION_MASK = 0x0F
+_ADDRESS_PAD = 4096

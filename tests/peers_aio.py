@@ -23,7 +23,7 @@ def aio_echo_server(ch, n):
                     buf = np.empty(1024, np.int64)
                     await w.arecv(buf, tag=i)
                     await ep.asend(buf * 2, tag=i)
-                ch.get()
+                await asyncio.to_thread(ch.get)
 
     asyncio.run(main())
 
@@ -35,7 +35,8 @@ def aio_die_after_connect(ch):
         w.listen(host="127.0.0.1")
         ch.put(w._listeners[0].port)
         ep = await w.aaccept(timeout=30)  # keep it: a dropped endpoint closes
-        ch.get()
+        # Wait without blocking the loop: the connection still needs progress.
+        await asyncio.to_thread(ch.get)
         os.kill(os.getpid(), signal.SIGKILL)
         del ep
 

@@ -32,7 +32,7 @@ from gpucx.bench.runner import (
 )
 from gpucx.bench.session import ACK_TAG, DATA_TAG, PeerGone, spawn_local
 from gpucx.bench.sizes import format_size, parse_size, parse_sizes, parse_sweep
-from gpucx.bench.suites import TESTS, Params, missing_api
+from gpucx.bench.suites import TESTS, Params
 
 from conftest import channel_pair, join_ok, spawn
 
@@ -142,15 +142,6 @@ def test_params_round_trip():
     assert Params.from_dict(p.to_dict()) == p
 
 
-@pytest.mark.parametrize("name", sorted(TESTS))
-def test_missing_api_is_a_setup_error(name):
-    need = missing_api(TESTS[name])
-    if need is None:
-        pytest.skip(f"{name}: its API is present")
-    with pytest.raises(BenchSetupError, match=f"needs gpucx.{need}"):
-        validate(BenchOptions(tests=(name,)))
-
-
 def test_validate_rejects_unknown_and_bad_counts():
     for opts, msg in (
         (BenchOptions(tests=("nope",)), "unknown test"),
@@ -160,6 +151,7 @@ def test_validate_rejects_unknown_and_bad_counts():
         (BenchOptions(window=0), "--window"),
         (BenchOptions(device=-1), "--device"),
         (BenchOptions(vs_perftest=True, client="h:1"), "--vs-perftest"),
+        (BenchOptions(tests=("fadd_lat",)), "--no-error-handling"),
     ):
         with pytest.raises(BenchSetupError, match=msg):
             validate(opts)
@@ -413,11 +405,8 @@ def test_run_bench_tag_tests(tls, use_async):
 
 @pytest.mark.parametrize("name", sorted(set(TESTS) - {"tag_lat", "tag_bw"}))
 def test_run_bench_other_areas(name):
-    """am/stream/rma/atomic/array tests against the DESIGN.md names; skipped
-    only while that API is missing from this gpucx build."""
-    need = missing_api(TESTS[name])
-    if need is not None:
-        pytest.skip(f"gpucx.{need} is not in this build yet")
+    """The am/stream/rma/atomic/array tests run end to end (atomics need
+    endpoints without peer error handling)."""
     doc = run_bench(
         BenchOptions(
             tests=(name,),
@@ -426,6 +415,7 @@ def test_run_bench_other_areas(name):
             warmup=2,
             window=4,
             progress=False,
+            error_handling=name != "fadd_lat",
         )
     )
     assert doc["results"] and all(r["bandwidth_gbs"] > 0 for r in doc["results"])

@@ -12,7 +12,7 @@ from .memory import BenchSetupError, cuda_problem
 from .report import ProgressBar, environment, plot_problem
 from .session import PeerGone, Session, connect_remote, spawn_local
 from .sizes import format_size
-from .suites import DEFAULT_TESTS, TESTS, Params, missing_api
+from .suites import DEFAULT_TESTS, TESTS, Params
 
 __all__ = ["BenchOptions", "validate", "plan", "run_bench", "default_iters"]
 
@@ -52,8 +52,9 @@ def validate(opts: BenchOptions) -> None:
     Raises
     ------
     BenchSetupError
-        Unknown test, missing API, CUDA without a GPU, no matplotlib for
-        ``--plot``, no ucx_perftest for ``--vs-perftest``, bad counts.
+        Unknown test, fadd_lat with peer error handling, CUDA without a
+        GPU, no matplotlib for ``--plot``, no ucx_perftest for
+        ``--vs-perftest``, bad counts.
     """
     if not opts.tests:
         raise BenchSetupError("no test given")
@@ -62,11 +63,11 @@ def validate(opts: BenchOptions) -> None:
             raise BenchSetupError(
                 f"unknown test {name!r}: choose from {', '.join(TESTS)}"
             )
-        need = missing_api(TESTS[name])
-        if need is not None:
-            raise BenchSetupError(
-                f"test {name} needs gpucx.{need}, which this gpucx build does not have"
-            )
+    if "fadd_lat" in opts.tests and opts.error_handling:
+        raise BenchSetupError(
+            "fadd_lat needs --no-error-handling: UCX (>= 1.19) offers no atomic "
+            "operations on endpoints with peer error handling"
+        )
     if opts.iters is not None and opts.iters < 1:
         raise BenchSetupError(f"--iters must be >= 1, not {opts.iters}")
     if opts.warmup is not None and opts.warmup < 0:

@@ -29,7 +29,7 @@ from ..request import INPROGRESS, raise_status
 from .memory import BenchSetupError, alloc
 from .session import ACK_TAG, DATA_TAG
 
-__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench", "missing_api"]
+__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench"]
 
 #: Active-message id the AM tests use.
 AM_ID = 7
@@ -96,8 +96,6 @@ class Bench:
 
     name = ""
     kind = "bw"  # "lat" or "bw"
-    #: Public names the test needs ("Endpoint.put_nb"...).
-    needs: tuple[str, ...] = ()
     #: The matching ucx_perftest test, or None.
     perftest: str | None = None
     #: Only these sizes make sense (atomics), or None.
@@ -159,20 +157,6 @@ def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
             w._park(slots + i, (slots, keep))
             sess.tainted = True
     raise_status(st, what, sess.ep)
-
-
-def missing_api(cls: type[Bench]) -> str | None:
-    """The first public name ``cls`` needs that this gpucx lacks, or None."""
-    owners = {
-        "Endpoint": gpucx.Endpoint,
-        "Worker": gpucx.Worker,
-        "Context": gpucx.Context,
-    }
-    for need in cls.needs:
-        owner, _, attr = need.partition(".")
-        if not hasattr(owners[owner], attr):
-            return need
-    return None
 
 
 # -- tag ---------------------------------------------------------------------
@@ -323,8 +307,6 @@ class TagBw(Bench):
 
 
 class _AmBase(Bench):
-    needs = ("Worker.set_am_handler", "Endpoint.am_send", "Endpoint.am_send_nb")
-
     def _inbox(self):
         self.inbox: list = []
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
@@ -426,7 +408,6 @@ class StreamBw(Bench):
     name = "stream_bw"
     kind = "bw"
     perftest = "stream_bw"
-    needs = ("Endpoint.stream_send", "Endpoint.stream_recv")
     latency_note = "time per message"
 
     def prepare(self) -> dict:
@@ -458,8 +439,6 @@ class StreamBw(Bench):
 
 
 class _RmaBase(Bench):
-    needs: tuple[str, ...] = ("Context.register", "Endpoint.unpack", "Endpoint.flush")
-
     def prepare(self) -> dict:
         self.target = self.buffer()
         self.region = self.s.ctx.register(self.target)
@@ -564,14 +543,12 @@ class _RmaBw(_RmaBase):
 class PutBw(_RmaBw):
     name = "put_bw"
     perftest = "ucp_put_bw"
-    needs = _RmaBase.needs + ("Endpoint.put_nb",)
     op = "put_nb"
 
 
 class GetBw(_RmaBw):
     name = "get_bw"
     perftest = "ucp_get"
-    needs = _RmaBase.needs + ("Endpoint.get_nb",)
     op = "get_nb"
     get = 1
 
@@ -580,7 +557,6 @@ class PutLat(_RmaBase):
     name = "put_lat"
     kind = "lat"
     perftest = "ucp_put_lat"
-    needs = _RmaBase.needs + ("Endpoint.put",)
     latency_note = "half of put + endpoint flush (one round trip)"
 
     def measure(self, rmem) -> dict:
@@ -600,7 +576,6 @@ class FaddLat(_RmaBase):
     name = "fadd_lat"
     kind = "lat"
     perftest = "ucp_fadd"
-    needs = _RmaBase.needs + ("Endpoint.fetch_add",)
     fixed_sizes = (8,)
     latency_note = "whole fetch-and-add (a round trip)"
 
@@ -622,7 +597,6 @@ class ArrayBw(Bench):
     name = "array_bw"
     kind = "bw"
     perftest = None
-    needs = ("Endpoint.send_array", "Endpoint.recv_array")
     latency_note = "time per array"
 
     def serve(self) -> None:
