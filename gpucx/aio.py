@@ -36,6 +36,10 @@ from .request import INPROGRESS, Request, new_slot
 __all__ = ["Worker", "Endpoint", "ProgressThread", "wait_request"]
 
 _MODES = ("event", "poll")
+#: How long an await busy-polls in C before it parks on a future, per mode:
+#: a reply that comes within this time costs no event-loop iteration.  Idle
+#: workers never spin (nothing is awaited).
+_SPIN_NS = {"event": 50_000, "poll": 200_000}
 #: Progress calls per round, and rounds per wake, before the loop gets a turn.
 _BURST = 64
 _ROUNDS = 8
@@ -50,6 +54,7 @@ class _Driver:
         self._worker = worker
         self._loop = loop
         self._mode = mode
+        self._spin_ns = _SPIN_NS[mode]
         self._waiters: dict[Request, asyncio.Future] = {}
         self._accepts: list = []  # (listener, future)
         self._canceled: set[Request] = set()  # canceled, not yet reported
@@ -155,6 +160,10 @@ class _Driver:
     async def wait(self, req: Request):
         if req.done():
             return req.result()
+        w = req._worker
+        if lib.gpucx_wait(w._h, req._slot, self._spin_ns) != INPROGRESS:
+            w._poll_events()
+            return req.wait(0)
         fut = self._loop.create_future()
         self._waiters[req] = fut
         self.kick()
