@@ -56,7 +56,7 @@ class _Driver:
         self._mode = mode
         self._spin_ns = _SPIN_NS[mode]
         self._waiters: dict[Request, asyncio.Future] = {}
-        self._accepts: list = []  # (listener, future)
+        self._accepts: list = []  # (listener, future, error_handling)
         self._canceled: set[Request] = set()  # canceled, not yet reported
         self._scheduled = False
         self._efd = worker.fileno()
@@ -85,7 +85,7 @@ class _Driver:
         for fut in list(self._waiters.values()):
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
-        for _, fut in self._accepts:
+        for _, fut, _ in self._accepts:
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
         self._waiters.clear()
@@ -141,12 +141,12 @@ class _Driver:
                     fut.set_exception(req._value)
         if self._accepts:
             for item in list(self._accepts):
-                listener, fut = item
+                listener, fut, error_handling = item
                 if fut.done():
                     self._accepts.remove(item)
                     continue
                 try:
-                    ep = listener._try_accept()
+                    ep = listener._try_accept(error_handling)
                 except Exception as exc:
                     self._accepts.remove(item)
                     fut.set_exception(exc)
@@ -178,12 +178,12 @@ class _Driver:
             self.kick()
             raise
 
-    async def accept(self, listener):
-        ep = listener._try_accept()
+    async def accept(self, listener, error_handling: bool = True):
+        ep = listener._try_accept(error_handling)
         if ep is not None:
             return ep
         fut = self._loop.create_future()
-        self._accepts.append((listener, fut))
+        self._accepts.append((listener, fut, error_handling))
         self.kick()
         return await fut
 
@@ -316,7 +316,13 @@ class Worker:
         self._listeners.append(lst)
         return lst
 
-    async def aaccept(self, listener=None, timeout: float | None = None) -> Endpoint:
+    async def aaccept(
+        self,
+        listener=None,
+        timeout: float | None = None,
+        *,
+        error_handling: bool = True,
+    ) -> Endpoint:
         """Wait for the next peer on ``listener`` (default: the only one).
 
         Raises
@@ -333,7 +339,7 @@ class Worker:
                     "call listen() first (or name the listener to accept on)"
                 )
             listener = live[0]
-        coro = self._drv.accept(listener)
+        coro = self._drv.accept(listener, error_handling)
         try:
             ep = await asyncio.wait_for(coro, timeout)
         except asyncio.TimeoutError:

@@ -86,10 +86,11 @@ class Endpoint(Handle):
         return cls(worker, state, peer)
 
     @classmethod
-    def _accept(cls, worker, conn_request, peer: str):
+    def _accept(cls, worker, conn_request, peer: str, error_handling: bool = True):
         state = ffi.new("gpucx_ep_state_t *")
+        mode = 1 if error_handling else 0
         check(
-            lib.gpucx_ep_create_conn(worker._state, conn_request, 1, state),
+            lib.gpucx_ep_create_conn(worker._state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
         return cls(worker, state, peer)

@@ -41,8 +41,17 @@ class Listener(Handle):
         state = "closed" if self._h is None else f"{self.host}:{self.port}"
         return f"<gpucx.Listener {state}>"
 
-    def accept(self, timeout: float | None = None):
+    def accept(self, timeout: float | None = None, *, error_handling: bool = True):
         """Wait for the next peer and return its :class:`~gpucx.Endpoint`.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait; None waits forever.
+        error_handling : bool
+            Peer error-handling mode for the new endpoint (default on).  UCX
+            (>= 1.19) offers no atomic operations on endpoints with it, so
+            accept with ``error_handling=False`` to serve atomics.
 
         Raises
         ------
@@ -51,25 +60,17 @@ class Listener(Handle):
         gpucx.ClosedError
             If the listener is closed.
         """
-        from .endpoint import Endpoint
-
         deadline = None if timeout is None else time.monotonic() + timeout
+        what = f"no connection on {self.host}:{self.port}"
         while True:
-            if self._h is None:
-                raise_closed(self)
-            req = lib.gpucx_listener_pop(self._state)
-            if req != ffi.NULL:
-                return Endpoint._accept(
-                    self._w, req, f"peer of {self.host}:{self.port}"
-                )
+            ep = self._try_accept(error_handling)
+            if ep is not None:
+                return ep
             w = self._w
-            ms = slice_ms(
-                deadline, timeout, f"no connection on {self.host}:{self.port}"
-            )
-            lib.gpucx_worker_sleep(w._h, w._efd, ms)
+            lib.gpucx_worker_sleep(w._h, w._efd, slice_ms(deadline, timeout, what))
             w._poll_events()
 
-    def _try_accept(self):
+    def _try_accept(self, error_handling: bool = True):
         """The endpoint of the oldest queued connection request, or None."""
         from .endpoint import Endpoint
 
@@ -78,7 +79,8 @@ class Listener(Handle):
         req = lib.gpucx_listener_pop(self._state)
         if req == ffi.NULL:
             return None
-        return Endpoint._accept(self._w, req, f"peer of {self.host}:{self.port}")
+        peer = f"peer of {self.host}:{self.port}"
+        return Endpoint._accept(self._w, req, peer, error_handling)
 
     def _release(self) -> None:
         lib.gpucx_listener_drain(self._state)

@@ -3,6 +3,8 @@ UCX, and two processes racing on one counter."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from test_rma import background
@@ -249,3 +251,34 @@ def test_two_processes_race_on_one_counter(tls, nbytes):
             for p in children:
                 join_ok(p, 60)
         region.close()
+
+
+@pytest.mark.timeout(60)
+def test_atomics_on_an_accepted_endpoint_without_error_handling():
+    """Listener.accept(error_handling=False) gives an endpoint UCX can run
+    atomics on (UCX has no atomic protocol with peer error handling)."""
+    with gpucx.Context(features={"tag", "rma", "amo"}) as ctx:
+        owner, user = ctx.create_worker(), ctx.create_worker()
+        lst = owner.listen(host="127.0.0.1")
+        ep = user.connect(("127.0.0.1", lst.port), error_handling=False)
+        back = None
+        for _ in range(2000):
+            user.progress()
+            try:
+                back = lst.accept(timeout=0.005, error_handling=False)
+                break
+            except gpucx.TimeoutError:
+                pass
+        assert back is not None
+        counter = np.zeros(1, np.uint64)
+        with ctx.register(counter) as region:
+            rkey = back.unpack(region.remote())
+            req = back.fetch_add_nb(rkey, 5)
+            end = time.monotonic() + 10
+            while not req.done() and time.monotonic() < end:
+                owner.progress()
+                user.progress()
+            assert req.result() == 0
+            assert counter[0] == 5
+            rkey.close()
+        assert ep.error is None
