@@ -115,11 +115,13 @@ def abandon(worker, slot, keep: Any = None) -> None:
         worker._sslot = new_slot()
 
 
-def finish(worker, slot, st: int, timeout: float | None, what: str, ep=None) -> None:
+def finish(
+    worker, slot, st: int, timeout: float | None, what: str, ep=None, keep=None
+) -> None:
     """Complete a just-posted operation synchronously: wait while it is
-    pending, raise its error if it failed."""
+    pending (``keep`` holds its buffers), raise its error if it failed."""
     if st == INPROGRESS:
-        st = block(worker, slot, timeout)
+        st = block(worker, slot, timeout, keep)
     if st != OK:
         raise_status(st, what, ep)
 

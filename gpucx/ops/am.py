@@ -37,7 +37,7 @@ from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import MessageTruncatedError, UnsupportedError, check
 from ..mem.buffer import acquire
-from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+from ..request import SPIN_NS, Request, finish, new_slot
 
 __all__ = [
     "AmMessage",
@@ -510,10 +510,7 @@ def am_send(ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None)
         w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, SPIN_NS
     )
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, None, keep)
-        if st:
-            raise_status(st, _SEND, ep)
+        finish(w, slot, st, None, _SEND, ep, keep)
 
 
 def am_send_nb(

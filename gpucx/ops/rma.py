@@ -27,7 +27,13 @@ from .._lib import ffi, lib
 from ..errors import UnsupportedError
 from ..mem.buffer import acquire
 from ..mem.remote import RemoteKey, as_remote
-from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+from ..request import (
+    SPIN_NS,
+    Request,
+    finish,
+    new_slot,
+    raise_status,
+)
 
 __all__ = [
     "unpack",
@@ -138,10 +144,7 @@ def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
     slot = _sync_slot(w)
     st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, timeout, (keep, rkey))
-        if st:
-            raise_status(st, _PUT, ep)
+        finish(w, slot, st, timeout, _PUT, ep, (keep, rkey))
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
@@ -215,10 +218,7 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None) -> None:
     slot = _sync_slot(w)
     st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, timeout, (keep, rkey))
-        if st:
-            raise_status(st, _GET, ep)
+        finish(w, slot, st, timeout, _GET, ep, (keep, rkey))
 
 
 def get_nb(ep, buf, rkey, offset: int = 0) -> Request:

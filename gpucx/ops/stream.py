@@ -11,7 +11,15 @@ from .._handle import raise_closed
 from .._lib import lib
 from ..errors import UnsupportedError
 from ..mem.buffer import acquire
-from ..request import INPROGRESS, SPIN_NS, Request, block, new_slot, raise_status
+from ..request import (
+    INPROGRESS,
+    SPIN_NS,
+    Request,
+    block,
+    finish,
+    new_slot,
+    raise_status,
+)
 
 __all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
 
@@ -55,10 +63,7 @@ def stream_send(ep, buf) -> None:
     slot = _sync_slot(w)
     st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, None, keep)
-        if st:
-            raise_status(st, _SEND, ep)
+        finish(w, slot, st, None, _SEND, ep, keep)
 
 
 def stream_send_nb(ep, buf) -> Request:

@@ -22,6 +22,7 @@ from ..request import (
     RecvInfo,
     Request,
     block,
+    finish,
     new_slot,
     raise_status,
 )
@@ -114,10 +115,7 @@ def send(ep, buf, tag: int = 0) -> None:
     except (OverflowError, TypeError):
         raise _bad_tag(tag) from None
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, None, keep)
-        if st:
-            raise_status(st, _SEND, ep)
+        finish(w, slot, st, None, _SEND, ep, keep)
 
 
 def send_nb(ep, buf, tag: int = 0, sync: bool = False) -> Request:
