@@ -59,6 +59,7 @@ class Worker(Handle):
         self._parked: list = []
         self._address: bytes | None = None
         self._aio = None  # gpucx.aio driver, when an event loop drives us
+        self._notify_handler = None  # put-with-notify handler (ops.rma)
         self._on_close: list = []  # callables run first when closing
         self._reply_eps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
@@ -85,12 +86,17 @@ class Worker(Handle):
         n = lib.ucp_worker_progress(h)
         if self._amq.tail:  # active messages queued: run their handlers
             _am.dispatch(self)
+        if self._notify_handler is not None and self._notify_q.count:
+            _rma.dispatch_notifications(self)
         return n
 
     def _poll_events(self) -> None:
-        """Hook run between wait slices: dispatches queued active messages."""
+        """Hook run between wait slices: dispatches queued active messages
+        and put-with-notify notifications (when a handler is set)."""
         if self._amq.tail:
             _am.dispatch(self)
+        if self._notify_handler is not None and self._notify_q.count:
+            _rma.dispatch_notifications(self)
 
     def fileno(self) -> int:
         """The worker's event fd (``ucp_worker_get_efd``), for event loops."""
@@ -229,6 +235,7 @@ class Worker(Handle):
     # -- put-with-notify, owner side (facade over gpucx.ops.rma) --------------
 
     notifications = _rma.notifications
+    set_notify_handler = _rma.set_notify_handler
 
     # -- request bookkeeping --------------------------------------------------
 

@@ -188,6 +188,54 @@ def test_blocking_put_with_notify(pair):
     region.close()
 
 
+def test_notify_handler_runs_after_progress_in_order(pair):
+    mem, region, key = exported(pair, 64)
+    seen = []
+
+    def on_note(ep, note):
+        # Runs after progress returned: the data is already in place.
+        seen.append((ep, note, bytes(mem[: len(note)])))
+
+    pair.b.set_notify_handler(on_note)
+    for i in range(5):
+        note = b"n%d" % i
+        pair.drive(pair.ab.put_nb(note, key, notify=note))
+        end = time.monotonic() + 10
+        while len(seen) <= i and time.monotonic() < end:
+            pair.a.progress()
+            pair.b.progress()
+    assert [(ep, note) for ep, note, _ in seen] == [
+        (pair.ba, b"n%d" % i) for i in range(5)
+    ]
+    assert all(data == note for _, note, data in seen)
+    assert pair.b.notifications() == []  # nothing left queued
+    region.close()
+
+
+def test_notify_handler_exception_reaches_progress_and_removal(pair):
+    mem, region, key = exported(pair, 64)
+
+    def boom(ep, note):
+        raise RuntimeError(f"handler saw {note!r}")
+
+    pair.drive(pair.ab.put_nb(b"x", key, notify=b"first"))
+    pair.drive(pair.ab.put_nb(b"y", key, notify=b"second"))
+    end = time.monotonic() + 10
+    while pair.b._notify_q.count < 2 and time.monotonic() < end:
+        pair.a.progress()
+        pair.b.progress()
+    pair.b.set_notify_handler(boom)
+    with pytest.raises(RuntimeError, match="first"):
+        pair.b.progress()
+    # Removing the handler leaves the rest queued for notifications().
+    pair.b.set_notify_handler(None)
+    notes = pair.b.notifications(timeout=10)
+    assert [note for _, note in notes] == [b"second"]
+    with pytest.raises(TypeError):
+        pair.b.set_notify_handler("not callable")
+    region.close()
+
+
 def test_concurrent_notifications_all_arrive(pair):
     # Each notification follows its own data; concurrent put-with-notify
     # calls may notify in any order.

@@ -314,14 +314,54 @@ def notifications(worker, timeout: float | None = None) -> list:
             ms = min(_SLICE_MS, max(1, int(left * 1000)))
             lib.gpucx_worker_sleep(h, worker._efd, ms)
     out = []
-    while True:
-        n = lib.gpucx_notify_pop(q)
-        if n == ffi.NULL:
-            break
-        try:
-            out.append(
-                (_endpoint_for(worker, n.ep), bytes(ffi.buffer(n.data, n.length)))
-            )
-        finally:
-            lib.gpucx_free(n)
+    item = _pop_notification(worker)
+    while item is not None:
+        out.append(item)
+        item = _pop_notification(worker)
     return out
+
+
+def _pop_notification(worker):
+    """The oldest queued ``(endpoint, notify_bytes)``, or None."""
+    n = lib.gpucx_notify_pop(worker._notify_q)
+    if n == ffi.NULL:
+        return None
+    try:
+        return (_endpoint_for(worker, n.ep), bytes(ffi.buffer(n.data, n.length)))
+    finally:
+        lib.gpucx_free(n)
+
+
+def set_notify_handler(worker, handler) -> None:
+    """Run ``handler(endpoint, notify_bytes)`` for each put-with-notify
+    notification, instead of queueing it for :meth:`notifications`.
+
+    Handlers run in Python after progress returns (``progress()``, blocking
+    waits, the asyncio driver), one notification at a time in arrival order;
+    an exception in the handler reaches the caller of ``progress()`` or
+    ``wait()`` and the notifications after it stay queued.  ``None`` removes
+    the handler: notifications queue again for :meth:`notifications`.
+
+    Raises
+    ------
+    TypeError
+        If ``handler`` is neither callable nor None.
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    if worker._h is None:
+        raise_closed(worker)
+    if handler is not None and not callable(handler):
+        raise TypeError(f"handler must be callable or None, not {handler!r}")
+    worker._notify_handler = handler
+
+
+def dispatch_notifications(worker) -> None:
+    """Hand queued notifications to the worker's notify handler."""
+    handler = worker._notify_handler
+    while handler is not None and worker._h is not None:
+        item = _pop_notification(worker)
+        if item is None:
+            return
+        handler(*item)
+        handler = worker._notify_handler
