@@ -249,6 +249,7 @@ class Endpoint:
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
     def close(self, force: bool = False) -> None:
+        """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
         self._ep.close(force)
 
     async def __aenter__(self):

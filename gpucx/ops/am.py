@@ -247,6 +247,8 @@ class AmMessage:
 
     @property
     def reply_ep(self):
+        """The :class:`~gpucx.Endpoint` to answer the sender on (messages
+        sent with ``reply=True``), or None."""
         if self._reply_ep is None and self._reply_h != ffi.NULL:
             self._reply_ep = self._worker._endpoint_for(self._reply_h)
         return self._reply_ep
