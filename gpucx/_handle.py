@@ -18,7 +18,8 @@ import warnings
 import weakref
 from typing import Any
 
-from .errors import ClosedError
+from ._lib import lib
+from .errors import ClosedError, PeerError
 
 _live_roots: weakref.WeakSet[Any] = weakref.WeakSet()
 _alive = True
@@ -103,6 +104,10 @@ class Handle:
 def raise_closed(obj: Handle) -> None:
     """Raise :class:`ClosedError` describing why ``obj`` cannot be used."""
     name = type(obj).__name__
+    reason = getattr(obj, "_error_reason", None)
+    if reason is not None:  # gpucx found the peer dead and closed the endpoint
+        peer = getattr(obj, "peer", "")
+        raise PeerError(f"{name} {peer}: {reason}", lib.UCS_ERR_CONNECTION_RESET)
     if obj._closed_reason == "forked":
         raise ClosedError(
             f"{name} was created in process {obj._pid} and cannot be used in the "

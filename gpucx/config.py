@@ -33,6 +33,47 @@ THREAD_MODES = {
 DEFAULTS = {"MM_ERROR_HANDLING": "y"}
 
 
+#: Prefix of gpucx's own options in ``Context(config=...)``; they are never
+#: passed to UCX.
+GPUCX_PREFIX = "GPUCX_"
+#: gpucx's own options and their defaults.
+GPUCX_OPTIONS: dict[str, float] = {
+    # Seconds between two liveness checks of a worker's peers on this host
+    # (0 = never); see gpucx._liveness.
+    "PEER_CHECK_INTERVAL": float(os.environ.get("GPUCX_PEER_CHECK_INTERVAL", "0.1")),
+}
+
+
+def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
+    """gpucx's own options (``GPUCX_*`` keys) of a context config.
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``GPUCX_*`` key or a value that is not a number >= 0.
+    """
+    out = dict(GPUCX_OPTIONS)
+    if not isinstance(config, Mapping):
+        return out
+    for key, value in config.items():
+        if not isinstance(key, str) or not key.upper().startswith(GPUCX_PREFIX):
+            continue
+        name = key.upper()[len(GPUCX_PREFIX) :]
+        if name not in GPUCX_OPTIONS:
+            known = sorted(GPUCX_PREFIX + k for k in GPUCX_OPTIONS)
+            raise ValueError(f"unknown gpucx option {key!r}; known: {known}")
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            number = -1.0
+        if not number >= 0:
+            raise ValueError(
+                f"gpucx option {key!r} must be a number >= 0, not {value!r}"
+            )
+        out[name] = number
+    return out
+
+
 def feature_mask(features: Iterable[str] | None) -> tuple[int, frozenset[str]]:
     """Turn feature names into a ``UCP_FEATURE_*`` mask (wakeup always on).
 
@@ -80,6 +121,8 @@ def normalize(config: Mapping[str, object] | None) -> dict[str, str]:
         for key, value in config.items():
             if not isinstance(key, str) or not key:
                 raise TypeError(f"config keys must be non-empty strings, got {key!r}")
+            if key.upper().startswith(GPUCX_PREFIX):
+                continue  # gpucx's own option (gpucx_options), not UCX's
             name = key[4:] if key.upper().startswith("UCX_") else key
             out[name.upper()] = _text(value)
     for name, value in DEFAULTS.items():

@@ -25,13 +25,18 @@ class Context(Handle):
         UCX options without the ``UCX_`` prefix, e.g. ``{"TLS": "tcp"}``.
         ``UCX_*`` environment variables still apply underneath.  Unless
         chosen, gpucx sets ``MM_ERROR_HANDLING=y`` so that shared memory
-        stays in use with peer error handling.
+        stays in use with peer error handling.  Keys starting with
+        ``GPUCX_`` are gpucx's own options, never passed to UCX:
+        ``GPUCX_PEER_CHECK_INTERVAL`` (seconds between liveness checks of
+        peers on this host, default 0.1, 0 = off; see the guide's "Peer
+        failure").
 
     Raises
     ------
     ValueError
         For an unknown feature, or a UCX option UCX does not know or whose
-        value it rejects (the message names the option).
+        value it rejects (the message names the option), or an unknown or
+        negative ``GPUCX_*`` option.
     TypeError
         If ``config`` is not a dict of strings.
     gpucx.UCXError
@@ -46,6 +51,7 @@ class Context(Handle):
         self._init_handle()
         mask, names = _config.feature_mask(features)
         options = _config.normalize(config)
+        own = _config.gpucx_options(config)
         cfg = ffi.new("ucp_config_t **")
         check(lib.gpucx_config_create(cfg), "ucp_config_read")
         out = ffi.new("ucp_context_h *")
@@ -63,6 +69,7 @@ class Context(Handle):
         self._h = out[0]
         self.features = names
         self.config = options
+        self._peer_interval = own["PEER_CHECK_INTERVAL"]
         register_root(self)
 
     def __repr__(self) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 
+from . import _address, _liveness
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, error_for, status_name
@@ -29,6 +31,8 @@ class Endpoint(Handle):
     """
 
     _borrowed = False
+    #: Why gpucx failed this endpoint itself (a dead local peer), or None.
+    _error_reason: str | None = None
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -39,15 +43,18 @@ class Endpoint(Handle):
         worker._adopt(self)
 
     @classmethod
-    def _connect(cls, worker, address, error_handling: bool):
+    def _connect(cls, worker, address, error_handling: bool, raw: bool = False):
         wstate = worker._state
         if worker._h is None:
             raise_closed(worker)
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
+        ident = None
         if isinstance(address, (bytes, bytearray, memoryview)):
             blob = bytes(address)
-            _check_worker_address(blob, worker.address)
+            if not raw:
+                blob, ident = _address.parse(blob)
+            _check_worker_address(blob, worker.ucx_address)
             # UCX parses addresses without a length: a truncated blob makes it
             # read past the end.  Hand it a zero-padded copy so such reads stay
             # in memory we own and the outcome is deterministic.
@@ -83,7 +90,16 @@ class Endpoint(Handle):
         if st == lib.UCS_ERR_INVALID_ADDR:
             raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
         check(st, f"ucp_ep_create({peer})")
-        return cls(worker, state, peer)
+        ep = cls(worker, state, peer)
+        if (
+            ident is not None
+            and error_handling
+            and ident.pid != os.getpid()
+            and _address.is_local(ident)
+        ):
+            ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
+            _liveness.watch(worker, ep, ident.pid, ident.start_time)
+        return ep
 
     @classmethod
     def _accept(cls, worker, conn_request, peer: str, error_handling: bool = True):
@@ -119,7 +135,12 @@ class Endpoint(Handle):
     def error(self) -> UCXError | None:
         """The failure UCX reported for this endpoint (peer death...), or None."""
         st = self._state.error
-        return None if st == lib.UCS_OK else error_for(st, f"endpoint {self.peer}")
+        if st == lib.UCS_OK:
+            return None
+        exc = error_for(st, f"endpoint {self.peer}")
+        if self._error_reason is not None:
+            exc.args = (f"endpoint {self.peer}: {self._error_reason}",)
+        return exc
 
     @property
     def transports(self) -> list[tuple[str, str]]:

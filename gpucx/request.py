@@ -38,8 +38,13 @@ TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 SPIN_NS = int(float(os.environ.get("GPUCX_SPIN_US", "5000")) * 1000)
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
-#: How long a canceled operation may take to report back.
+#: How long a canceled operation may take to report back when its worker
+#: closes.
 _DRAIN_S = 5.0
+#: How long a timed-out or interrupted wait drains its canceled operation:
+#: a receive reports back within a progress call or two; UCX cannot cancel a
+#: send, which is parked at once so that the deadline is kept.
+_CANCEL_DRAIN_S = 0.02
 
 RecvInfo = namedtuple("RecvInfo", ["tag", "nbytes"])
 RecvInfo.__doc__ = "What a tag receive got: the sender's ``tag`` and ``nbytes``."
@@ -96,14 +101,15 @@ def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
 def abandon(worker, slot, keep: Any = None) -> None:
     """Cancel a pending operation and wait (bounded) until UCX lets go of it.
 
-    If UCX does not report back in time, the slot and the buffers are parked
-    on the worker (never freed while UCX may still write into them).
+    If UCX does not report back within ``_CANCEL_DRAIN_S`` (a send, which UCX
+    cannot cancel), the slot and the buffers are parked on the worker: never
+    freed while UCX may still use them, freed once UCX lets go.
     """
     if slot.status != INPROGRESS or worker._h is None:
         lib.gpucx_slot_release(slot)
         return
     lib.gpucx_slot_cancel(worker._h, slot)
-    end = time.monotonic() + _DRAIN_S
+    end = time.monotonic() + _CANCEL_DRAIN_S
     while slot.status == INPROGRESS and time.monotonic() < end:
         lib.gpucx_wait(worker._h, slot, 1_000_000)
     if slot.status == INPROGRESS:
@@ -132,6 +138,10 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
         # The endpoint failed: report the endpoint's cause (peer death), not
         # the secondary status of the request.
         st = ep._state.error
+        if ep._error_reason is not None:  # gpucx found the peer dead
+            exc = error_for(st, what)
+            exc.args = (f"{what}: {ep._error_reason}",)
+            raise exc
     exc = error_for(st, what)
     if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
         exc.buffer_size = nbytes

@@ -6,6 +6,8 @@ import time
 import weakref
 from typing import Any
 
+from . import _address
+from . import _liveness as _live
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .config import THREAD_MODES
@@ -58,6 +60,13 @@ class Worker(Handle):
         self._sweep_at = _SWEEP_MIN
         self._parked: list = []
         self._address: bytes | None = None
+        self._ucx_address: bytes | None = None
+        # Liveness of peers on this host (gpucx._liveness): endpoint ->
+        # (pid, start time), checked at most every _peer_interval seconds.
+        self._watched: dict = {}
+        self._peer_interval = context._peer_interval
+        self._peer_check_at = 0.0
+        self._peer_tick = _live.PROGRESS_STRIDE
         self._aio = None  # gpucx.aio driver, when an event loop drives us
         self._notify_handler = None  # put-with-notify handler (ops.rma)
         self._on_close: list = []  # callables run first when closing
@@ -88,15 +97,26 @@ class Worker(Handle):
             _am.dispatch(self)
         if self._notify_handler is not None and self._notify_q.count:
             _rma.dispatch_notifications(self)
+        if self._watched:  # peers on this host: look at them now and then
+            self._peer_tick -= 1
+            if self._peer_tick <= 0:
+                self._peer_tick = _live.PROGRESS_STRIDE
+                _live.check(self)
         return n
 
     def _poll_events(self) -> None:
         """Hook run between wait slices: dispatches queued active messages
-        and put-with-notify notifications (when a handler is set)."""
+        and put-with-notify notifications (when a handler is set), checks
+        peers on this host (at most once per interval) and frees parked
+        operations UCX has let go of."""
         if self._amq.tail:
             _am.dispatch(self)
         if self._notify_handler is not None and self._notify_q.count:
             _rma.dispatch_notifications(self)
+        if self._watched:
+            _live.check(self)
+        elif self._parked:
+            _live.sweep_parked(self)
 
     def fileno(self) -> int:
         """The worker's event fd (``ucp_worker_get_efd``), for event loops."""
@@ -125,20 +145,34 @@ class Worker(Handle):
 
     @property
     def address(self) -> bytes:
-        """This worker's address (``ucp_worker_query``) for
-        :meth:`connect` on a peer."""
+        """This worker's address for :meth:`connect` on a peer.
+
+        The UCX worker address (``ucp_worker_query``) followed by a gpucx
+        trailer: a format version, the length of the UCX part, a checksum,
+        and this process's identity (pid, start time, boot id, pid
+        namespace) so that a peer on the same host notices when this process
+        dies.  A plain UCX program can use it as it is (UCX ignores the
+        trailer)."""
+        if self._address is None:
+            self._address = _address.frame(self.ucx_address)
+        return self._address
+
+    @property
+    def ucx_address(self) -> bytes:
+        """The bare UCX worker address (``ucp_worker_query``), without the
+        gpucx trailer of :attr:`address`."""
         h = self._h
         if h is None:
             raise_closed(self)
-        if self._address is None:
+        if self._ucx_address is None:
             out = ffi.new("void **")
             n = ffi.new("size_t *")
             check(lib.gpucx_worker_address(h, out, n), "ucp_worker_query(address)")
             try:
-                self._address = bytes(ffi.buffer(out[0], n[0]))
+                self._ucx_address = bytes(ffi.buffer(out[0], n[0]))
             finally:
                 lib.gpucx_free(out[0])
-        return self._address
+        return self._ucx_address
 
     def flush(self, timeout: float | None = None) -> None:
         """Complete every outstanding operation of every endpoint remotely.
@@ -164,7 +198,7 @@ class Worker(Handle):
 
     # -- endpoints ----------------------------------------------------------
 
-    def connect(self, address, *, error_handling: bool = True):
+    def connect(self, address, *, error_handling: bool = True, raw: bool = False):
         """Create an :class:`~gpucx.Endpoint` to a peer.
 
         Parameters
@@ -175,6 +209,10 @@ class Worker(Handle):
         error_handling : bool
             Peer error-handling mode (default): a dead peer fails pending
             operations with :class:`~gpucx.PeerError` instead of hanging.
+        raw : bool
+            ``address`` is a bare UCX worker address (from a program that
+            does not use gpucx, or :attr:`ucx_address`): it has no gpucx
+            trailer to verify, and its peer gets no liveness checks.
 
         The call returns at once, as in UCX; an unreachable peer is reported
         by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
@@ -182,13 +220,15 @@ class Worker(Handle):
         Raises
         ------
         gpucx.InvalidAddressError
-            For a malformed worker address or an unresolvable host.
+            For a malformed worker address (a gpucx address whose trailer is
+            missing, truncated, extended or fails its checksum), or an
+            unresolvable host.
         TypeError
             If ``address`` is neither bytes nor a ``(host, port)`` pair.
         """
         from .endpoint import Endpoint
 
-        return Endpoint._connect(self, address, error_handling)
+        return Endpoint._connect(self, address, error_handling, raw)
 
     def listen(self, port: int = 0, host: str = "0.0.0.0"):
         """Accept connections on ``host:port`` (0 = any free port).

@@ -87,7 +87,7 @@ def test_tag_echo_with_c_program(ucp_echo, tls):
         their_address = bytes.fromhex(line)
         with gpucx.Context(features={"tag"}, config=config) as ctx:
             w = ctx.create_worker()
-            ep = w.connect(their_address)
+            ep = w.connect(their_address, raw=True)
             peer.stdin.write(w.address.hex() + "\n")
             peer.stdin.flush()
             for n in sizes:

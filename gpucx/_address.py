@@ -1,0 +1,147 @@
+"""Framed worker addresses: the UCX address plus a gpucx trailer.
+
+UCX parses a worker address without knowing its length, trusts its body,
+and can crash on a corrupted one.  gpucx therefore appends a fixed-size
+trailer to the bytes ``ucp_worker_query`` returns::
+
+    UCX address | magic "GPCX" | version u8 | flags u8 | reserved u16 |
+    UCX length u32 | pid u32 | pid-namespace inode u64 | start time u64 |
+    boot id 16 bytes | crc32 u32
+
+(little-endian; the crc32 covers the UCX part and every trailer field
+before it).  UCX ignores the trailing bytes, so a plain UCX program can use
+a gpucx address as it is.  :func:`parse` verifies the frame before any byte
+reaches UCX; the identity fields let a peer on the same host tell whether
+the process behind an address is still alive (see :mod:`gpucx._liveness`).
+
+The checksum catches corruption, not a hostile peer: a crafted address with
+a valid checksum reaches UCX like any other.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+import zlib
+from typing import NamedTuple
+
+from .errors import InvalidAddressError
+
+MAGIC = b"GPCX"
+VERSION = 1
+_FIELDS = struct.Struct("<4sBBHIIQQ16s")
+_CRC = struct.Struct("<I")
+#: Bytes the trailer adds to a UCX address.
+TRAILER_LEN = _FIELDS.size + _CRC.size
+
+
+class Identity(NamedTuple):
+    """Who wrote an address: enough to check its process on this host."""
+
+    pid: int
+    start_time: int  # clock ticks after boot (/proc/<pid>/stat field 22)
+    boot_id: bytes  # 16 bytes, /proc/sys/kernel/random/boot_id
+    pidns: int  # inode of /proc/self/ns/pid (0 when unknown)
+
+
+def proc_start_time(pid: int | str = "self") -> int | None:
+    """Start time of ``pid`` in clock ticks after boot, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after
+    # the last ')'.  Field 3 is then index 0, field 22 index 19.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_boot = _boot_id()
+_ns = _pidns()
+_self: Identity | None = None
+_self_pid = 0
+
+
+def own_identity() -> Identity:
+    """This process's identity (recomputed after a fork)."""
+    global _self, _self_pid
+    pid = os.getpid()
+    if _self is None or _self_pid != pid:
+        _self = Identity(pid, proc_start_time("self") or 0, _boot, _ns)
+        _self_pid = pid
+    return _self
+
+
+def frame(ucx: bytes) -> bytes:
+    """Append this process's trailer to the UCX address ``ucx``."""
+    me = own_identity()
+    head = ucx + _FIELDS.pack(
+        MAGIC, VERSION, 0, 0, len(ucx), me.pid, me.pidns, me.start_time, me.boot_id
+    )
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def is_local(ident: Identity) -> bool:
+    """True when ``ident`` names a process of this host and pid namespace."""
+    return ident.boot_id == _boot and ident.pidns == _ns and _boot != bytes(16)
+
+
+def parse(blob: bytes) -> tuple[bytes, Identity]:
+    """Split a framed address into the UCX part and the writer's identity.
+
+    Raises
+    ------
+    gpucx.InvalidAddressError
+        When the trailer is missing, of another format version, or does not
+        match the bytes (a length or checksum mismatch).
+    """
+    n = len(blob)
+    if n <= TRAILER_LEN:
+        raise InvalidAddressError(
+            f"malformed worker address: {n} bytes is too short for a gpucx "
+            f"address (the trailer alone has {TRAILER_LEN})"
+        )
+    t = n - TRAILER_LEN
+    magic, version, _flags, _rsv, ucx_len, pid, pidns, start, boot = (
+        _FIELDS.unpack_from(blob, t)
+    )
+    if magic != MAGIC:
+        raise InvalidAddressError(
+            "not a gpucx worker address (no gpucx trailer): it is corrupted, or "
+            "a raw UCX address from a non-gpucx program; for the latter use "
+            "connect(address, raw=True)"
+        )
+    if version != VERSION:
+        raise InvalidAddressError(
+            f"malformed worker address: trailer format version {version}, "
+            f"this gpucx reads version {VERSION}"
+        )
+    if ucx_len != t:
+        raise InvalidAddressError(
+            f"malformed worker address: the trailer says the UCX part has "
+            f"{ucx_len} bytes, the blob holds {t} (truncated or extended)"
+        )
+    (crc,) = _CRC.unpack_from(blob, n - _CRC.size)
+    if zlib.crc32(memoryview(blob)[: n - _CRC.size]) != crc:
+        raise InvalidAddressError(
+            "malformed worker address: checksum mismatch (the bytes were "
+            "corrupted on the way)"
+        )
+    return blob[:t], Identity(pid, start, boot, pidns)

@@ -1,0 +1,91 @@
+"""Liveness of peers on this host, checked by gpucx itself.
+
+UCX reports a dead peer over TCP at once, but over shared memory (UCX 1.22,
+sysv/posix with MM_ERROR_HANDLING) it never does: operations on such an
+endpoint wait forever.  When a framed worker address (:mod:`gpucx._address`)
+says the peer runs on this host, gpucx records its pid and start time and
+looks at ``/proc/<pid>/stat`` now and then — never on the hot path, only
+between wait slices, from the asyncio driver's timer and every few hundred
+``Worker.progress()`` calls — at most once per interval.  A peer is dead when
+its stat file is gone, its state is zombie or dead (a SIGKILLed child not yet
+reaped is a zombie), or the pid now belongs to a process started later.
+
+A dead peer's endpoint gets a :class:`~gpucx.PeerError` and is force-closed
+in UCX, so UCX fails every operation outstanding on it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ._lib import lib
+from .request import INPROGRESS, new_slot
+
+#: ``Worker.progress()`` calls between two looks at the clock.
+PROGRESS_STRIDE = 256
+
+
+def proc_alive(pid: int, start_time: int) -> bool:
+    """True while process ``pid`` started at ``start_time`` is alive."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X", b"x"):
+        return False
+    return int(fields[19]) == start_time
+
+
+def watch(worker, ep, pid: int, start_time: int) -> None:
+    """Check ``ep``'s peer process (``pid``, ``start_time``) from now on."""
+    if worker._peer_interval > 0:
+        worker._watched[ep] = (pid, start_time)
+
+
+def check(worker, now: float | None = None) -> None:
+    """Check the worker's local peers if the interval has passed."""
+    if now is None:
+        now = time.monotonic()
+    if now < worker._peer_check_at:
+        return
+    worker._peer_check_at = now + worker._peer_interval
+    watched = worker._watched
+    for ep, (pid, start) in list(watched.items()):
+        if ep._h is None or ep._state.error != lib.UCS_OK:
+            del watched[ep]
+        elif not proc_alive(pid, start):
+            del watched[ep]
+            peer_died(worker, ep, f"peer process {pid} died")
+    sweep_parked(worker)
+
+
+def peer_died(worker, ep, reason: str) -> None:
+    """Mark ``ep`` failed with ``reason`` and force-close it in UCX, which
+    fails every operation still outstanding on it."""
+    ep._state.error = lib.UCS_ERR_CONNECTION_RESET
+    ep._error_reason = reason
+    ep._closed_reason = reason
+    h = ep._h
+    ep._h = None  # later operations raise PeerError (see _handle.raise_closed)
+    slot = new_slot()
+    if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
+        worker._park(slot, None)
+    else:
+        lib.gpucx_slot_release(slot)
+    # Settle tracked requests now failed by the force close.
+    lib.ucp_worker_progress(worker._h)
+
+
+def sweep_parked(worker) -> None:
+    """Free parked slots UCX has let go of (their buffers go with them)."""
+    parked = worker._parked
+    if parked and any(s.status != INPROGRESS for s, _ in parked):
+        keep = []
+        for slot, k in parked:
+            if slot.status == INPROGRESS:
+                keep.append((slot, k))
+            else:
+                lib.gpucx_slot_release(slot)
+        parked[:] = keep
