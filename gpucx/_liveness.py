@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 
 from ._lib import lib
+from .errors import PeerError
 from .request import INPROGRESS, new_slot
 
 #: ``Worker.progress()`` calls between two looks at the clock.
@@ -36,6 +37,12 @@ def proc_alive(pid: int, start_time: int) -> bool:
     if not fields or fields[0] in (b"Z", b"X", b"x"):
         return False
     return int(fields[19]) == start_time
+
+
+def peer_alive(ep) -> bool:
+    """False when ``ep``'s peer is a process of this host that died."""
+    peer = ep._w._watched.get(ep)
+    return peer is None or proc_alive(*peer)
 
 
 def watch(worker, ep, pid: int, start_time: int) -> None:
@@ -62,20 +69,35 @@ def check(worker, now: float | None = None) -> None:
 
 
 def peer_died(worker, ep, reason: str) -> None:
-    """Mark ``ep`` failed with ``reason`` and force-close it in UCX, which
-    fails every operation still outstanding on it."""
+    """Mark ``ep`` failed with ``reason`` and close it in UCX.
+
+    With peer error handling the UCX endpoint is force-closed, which fails
+    every operation still outstanding on it.  Without it a force close is
+    undefined behaviour in UCX, so the UCX endpoint is left to the worker's
+    destruction.  Either way, a tracked request UCX still holds is parked
+    (its buffers stay alive until UCX lets go) and fails with PeerError.
+    """
     ep._state.error = lib.UCS_ERR_CONNECTION_RESET
     ep._error_reason = reason
     ep._closed_reason = reason
     h = ep._h
     ep._h = None  # later operations raise PeerError (see _handle.raise_closed)
-    slot = new_slot()
-    if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
-        worker._park(slot, None)
-    else:
-        lib.gpucx_slot_release(slot)
-    # Settle tracked requests now failed by the force close.
-    lib.ucp_worker_progress(worker._h)
+    if ep._peer_mode:
+        slot = new_slot()
+        if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
+            worker._park(slot, None)
+        else:
+            lib.gpucx_slot_release(slot)
+        lib.ucp_worker_progress(worker._h)
+    for req in [r for r in worker._pending if r._ep is ep]:
+        if req._slot.status != INPROGRESS:
+            req._complete()
+        else:
+            worker._park(req._slot, req._keep)
+            req._fail(PeerError(f"{req._what}: {reason}", ep._state.error))
+    # The endpoint's children (unpacked remote keys) go now: a later close()
+    # of the endpoint finds no UCX handle and would not reach them.
+    ep._close_children()
 
 
 def sweep_parked(worker) -> None:

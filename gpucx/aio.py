@@ -59,6 +59,7 @@ class _Driver:
         self._accepts: list = []  # (listener, future, error_handling)
         self._canceled: set[Request] = set()  # canceled, not yet reported
         self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
         self._efd = worker.fileno()
         ref = weakref.ref(self)
 
@@ -76,6 +77,9 @@ class _Driver:
         if not self._attached:
             return
         self._attached = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
             self._loop.remove_reader(self._efd)
         except (RuntimeError, ValueError, OSError):  # loop already closed
@@ -123,16 +127,35 @@ class _Driver:
         # Still busy: give the loop a turn, then carry on.
         self.kick()
 
+    def _arm_timer(self) -> None:
+        """Wake up every check interval while something is awaited and the
+        worker has peers on this host: a dead shared-memory peer produces no
+        event on the fd, only gpucx's liveness check notices it."""
+        w = self._worker
+        if self._timer is None and w._watched and w._peer_interval > 0:
+            self._timer = self._loop.call_later(w._peer_interval, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if not self._attached:
+            return
+        self._run()
+        if self._waiters or self._accepts:
+            self._arm_timer()
+
     def _settle(self) -> None:
         if self._canceled:
             for req in [r for r in self._canceled if r._slot.status != INPROGRESS]:
                 self._canceled.discard(req)
                 req._complete()
         if self._waiters:
-            done = [r for r in self._waiters if r._slot.status != INPROGRESS]
+            done = [
+                r for r in self._waiters if r._state or r._slot.status != INPROGRESS
+            ]
             for req in done:
                 fut = self._waiters.pop(req)
-                req._complete()
+                if not req._state:  # (a dead peer's request is settled already)
+                    req._complete()
                 if fut.done():  # the awaiting task was canceled
                     continue
                 if req._state == 1:
@@ -167,6 +190,7 @@ class _Driver:
         fut = self._loop.create_future()
         self._waiters[req] = fut
         self.kick()
+        self._arm_timer()
         try:
             return await fut
         except asyncio.CancelledError:

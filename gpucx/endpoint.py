@@ -33,6 +33,8 @@ class Endpoint(Handle):
     _borrowed = False
     #: Why gpucx failed this endpoint itself (a dead local peer), or None.
     _error_reason: str | None = None
+    #: Created with peer error handling (UCX may be asked to force-close it).
+    _peer_mode = True
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -91,12 +93,8 @@ class Endpoint(Handle):
             raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
         check(st, f"ucp_ep_create({peer})")
         ep = cls(worker, state, peer)
-        if (
-            ident is not None
-            and error_handling
-            and ident.pid != os.getpid()
-            and _address.is_local(ident)
-        ):
+        ep._peer_mode = error_handling
+        if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
             ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
             _liveness.watch(worker, ep, ident.pid, ident.start_time)
         return ep
@@ -239,7 +237,13 @@ class Endpoint(Handle):
             return
         if self._borrowed:  # UCX owns it (an AM reply endpoint)
             return
-        force = getattr(self, "_force", False) or self._state.error != lib.UCS_OK
+        alive = _liveness.peer_alive(self)
+        w._watched.pop(self, None)
+        force = (
+            getattr(self, "_force", False)
+            or self._state.error != lib.UCS_OK
+            or not alive  # a flush close would wait in vain for a dead peer
+        )
         slot = new_slot()
         if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
             _close_wait(w, slot, CLOSE_TIMEOUT_S)

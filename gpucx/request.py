@@ -72,13 +72,16 @@ def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
     return min(_SLICE_MS, max(1, int(left * 1000)))
 
 
-def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
+def block(worker, slot, timeout: float | None, keep: Any = None, ep=None) -> int:
     """Progress ``worker`` until ``slot`` completes; return its status.
 
     Raises
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass first; the operation is canceled.
+    gpucx.PeerError
+        When gpucx finds ``ep``'s peer dead while waiting (the operation is
+        parked until UCX lets go of it).
     """
     h = worker._h
     efd = worker._efd
@@ -89,6 +92,10 @@ def block(worker, slot, timeout: float | None, keep: Any = None) -> int:
             if st != INPROGRESS:
                 return st
             worker._poll_events()
+            if ep is not None and ep._h is None and slot.status == INPROGRESS:
+                from ._handle import raise_closed
+
+                raise_closed(ep)  # the peer died: PeerError
             ms = slice_ms(deadline, timeout, "operation did not complete")
             st = lib.gpucx_wait_sleep(h, efd, slot, ms)
             if st != INPROGRESS:
@@ -127,7 +134,7 @@ def finish(
     """Complete a just-posted operation synchronously: wait while it is
     pending (``keep`` holds its buffers), raise its error if it failed."""
     if st == INPROGRESS:
-        st = block(worker, slot, timeout, keep)
+        st = block(worker, slot, timeout, keep, ep)
     if st != OK:
         raise_status(st, what, ep)
 
@@ -217,6 +224,14 @@ class Request:
         self._keep = None
         self._worker._untrack(self)
 
+    def _fail(self, exc: UCXError) -> None:
+        """Settle as failed while UCX still holds the operation (the caller
+        parked the slot and the buffers on the worker)."""
+        self._state = 2
+        self._value = exc
+        self._keep = None
+        self._worker._untrack(self)
+
     def done(self) -> bool:
         """Progress once if needed; return True when the operation finished."""
         if self._state:
@@ -249,8 +264,10 @@ class Request:
 
                     raise_closed(w)
                 try:
-                    block(w, self._slot, timeout, None)
+                    block(w, self._slot, timeout, None, self._ep)
                 except BaseException:
+                    if self._state:  # failed while waiting (a dead peer)
+                        raise self._value from None
                     # block() canceled and drained (or parked) the operation.
                     if self._slot.status != INPROGRESS:
                         self._complete()

@@ -116,6 +116,10 @@ class Channel:
     def put(self, obj) -> None:
         self._conn.send(obj)
 
+    def poll(self, timeout: float = 0.0) -> bool:
+        """True when a message is ready to be read."""
+        return self._conn.poll(timeout)
+
     def get(self, timeout: float = 60.0):
         if not self._conn.poll(timeout):
             raise AssertionError(f"peer said nothing for {timeout} s")

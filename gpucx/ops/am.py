@@ -324,7 +324,9 @@ class AmMessage:
             desc = self._rec.data
             self._rec.data = ffi.NULL
             lib.gpucx_am_recv_data(w._h, desc, ptr, self.nbytes, mt, slot)
-            return Request(w, slot, keep, _RECV, _nbytes, None, n)
+            # Tied to the sender's endpoint when it is known (a reply endpoint
+            # already looked up): a dead sender then reads as PeerError.
+            return Request(w, slot, keep, _RECV, _nbytes, self._reply_ep, n)
         if mt != _HOST and self.nbytes:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "

@@ -245,6 +245,8 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
         A malformed array header (the message is dropped).
     gpucx.ClosedError
         If the endpoint is closed.
+    gpucx.PeerError
+        If the peer died (or the connection failed) while waiting.
     gpucx.UnsupportedError
         If the context was created without the ``"am"`` feature.
     Exception
@@ -266,8 +268,11 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
             break
         ms = slice_ms(deadline, timeout, "recv_array: no array arrived")
         lib.gpucx_worker_sleep(w._h, w._efd, ms)
-        if w._amq.tail:
-            _am.dispatch(w)
+        w._poll_events()  # AM handlers, and liveness of a peer on this host
+        if ep._h is None:
+            raise_closed(ep)  # gpucx found the peer dead: PeerError
+        if ep._state.error != lib.UCS_OK:
+            raise ep.error  # UCX reported the peer failed (PeerError)
         pending = q.get(key)
     msg = pending[0]
     try:
