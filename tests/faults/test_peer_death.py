@@ -223,3 +223,32 @@ def test_peer_killed_mid_operation(op, tls):
 @pytest.mark.parametrize(("op", "tls"), PAIRS)
 def test_peer_killed_mid_operation_repeated(op, tls):
     run_case(op, tls, ROUNDS_MARKED)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tls", ["shm", "tcp"])
+def test_listener_endpoint_reports_death(tls):
+    """An endpoint accepted by a Listener has no peer identity for gpucx to
+    check, but UCX's TCP connection-manager lane reports the death even
+    when the data moves over shared memory."""
+    with gpucx.Context(config=transport_config(tls, listener=True)) as ctx:
+        w = ctx.create_worker()
+        with w.listen(host="127.0.0.1") as lst:
+            for _ in range(ROUNDS):
+                proc, chan = start("idle", tls, via_listener=True)
+                try:
+                    ep, _ = handshake(w, chan, listener=lst)
+                    assert not w._watched
+                    req = ep.send_nb(np.ones(BIG, np.uint8), tag=5)
+                    kill(proc)
+                    t0 = time.monotonic()
+                    with pytest.raises(gpucx.PeerError):
+                        req.wait(BOUND_S)
+                    assert time.monotonic() - t0 < BOUND_S
+                    ep.close()
+                finally:
+                    if proc.is_alive():
+                        proc.kill()
+                    proc.join(10)
+        serve_new_peer(w, tls)
+        assert not w._pending and not w._parked
