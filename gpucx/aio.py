@@ -374,7 +374,9 @@ class Worker:
             ) from None
         return Endpoint(ep, self._drv)
 
-    async def aconnect(self, address, *, error_handling: bool = True) -> Endpoint:
+    async def aconnect(
+        self, address, *, error_handling: bool = True, raw: bool = False
+    ) -> Endpoint:
         """Connect to a peer (see :meth:`gpucx.Worker.connect`).
 
         For a ``(host, port)`` address the coroutine waits until the
@@ -382,7 +384,8 @@ class Worker:
         :class:`~gpucx.PeerError` here.
         """
         ep = Endpoint(
-            self._worker.connect(address, error_handling=error_handling), self._drv
+            self._worker.connect(address, error_handling=error_handling, raw=raw),
+            self._drv,
         )
         if isinstance(address, tuple):
             try:

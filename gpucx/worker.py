@@ -153,6 +153,8 @@ class Worker(Handle):
         namespace) so that a peer on the same host notices when this process
         dies.  A plain UCX program can use it as it is (UCX ignores the
         trailer)."""
+        if self._h is None:
+            raise_closed(self)
         if self._address is None:
             self._address = _address.frame(self.ucx_address)
         return self._address
