@@ -22,6 +22,9 @@ from ._lib import lib
 from .errors import PeerError
 from .request import INPROGRESS, new_slot
 
+#: How long after a peer's death a canceled request that gpucx could not
+#: tie to an endpoint is taken to have been canceled by the death.
+SUSPECT_S = 1.0
 #: ``Worker.progress()`` calls between two looks at the clock.
 PROGRESS_STRIDE = 256
 
@@ -83,12 +86,21 @@ def peer_died(worker, ep, reason: str) -> None:
     h = ep._h
     ep._h = None  # later operations raise PeerError (see _handle.raise_closed)
     if ep._peer_mode:
+        pending = [r for r in worker._pending if r._slot.status == INPROGRESS]
         slot = new_slot()
         if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
             worker._park(slot, None)
         else:
             lib.gpucx_slot_release(slot)
         lib.ucp_worker_progress(worker._h)
+        # Operations gpucx cannot tie to an endpoint (a tag receive already
+        # matched to the dead peer's rendezvous send) come back canceled by
+        # the force close, within a few progress calls: that is the peer's
+        # death (see Request._complete).
+        until = time.monotonic() + SUSPECT_S
+        for req in pending:
+            if req._ep is None:
+                worker._suspects[req] = (reason, until)
     for req in [r for r in worker._pending if r._ep is ep]:
         if req._slot.status != INPROGRESS:
             req._complete()

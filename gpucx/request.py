@@ -23,6 +23,7 @@ from ._lib import ffi, lib
 from .errors import (
     CanceledError,
     MessageTruncatedError,
+    PeerError,
     TimeoutError,
     UCXError,
     error_for,
@@ -33,6 +34,7 @@ __all__ = ["Request", "RecvInfo", "block", "INPROGRESS"]
 INPROGRESS = lib.UCS_INPROGRESS
 OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
+CANCELED = lib.UCS_ERR_CANCELED
 
 #: How long the C wait loop spins before sleeping on the event fd.
 SPIN_NS = int(float(os.environ.get("GPUCX_SPIN_US", "5000")) * 1000)
@@ -165,6 +167,14 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     raise exc
 
 
+def _raise_if_peer_died(req) -> None:
+    """Raise PeerError if ``req`` was canceled by gpucx force-closing a dead
+    peer's endpoint (see gpucx._liveness.peer_died)."""
+    found = req._worker._suspects.pop(req, None)
+    if found is not None and time.monotonic() < found[1]:
+        raise PeerError(f"{req._what}: {found[0]}", lib.UCS_ERR_CONNECTION_RESET)
+
+
 class Request:
     """One outstanding operation.
 
@@ -218,6 +228,8 @@ class Request:
         else:
             self._state = 2
             try:
+                if st == CANCELED and self._worker._suspects:
+                    _raise_if_peer_died(self)
                 raise_status(st, self._what, self._ep, slot, self._nbytes)
             except UCXError as exc:
                 self._value = exc
@@ -268,6 +280,7 @@ class Request:
                 except BaseException:
                     if self._state:  # failed while waiting (a dead peer)
                         raise self._value from None
+                    w._suspects.pop(self, None)  # canceled by the timeout
                     # block() canceled and drained (or parked) the operation.
                     if self._slot.status != INPROGRESS:
                         self._complete()
@@ -304,6 +317,7 @@ class Request:
         w = self._worker
         if w._h is None:
             return False
+        w._suspects.pop(self, None)  # canceled by the user, not a death
         lib.gpucx_slot_cancel(w._h, self._slot)
         return True
 

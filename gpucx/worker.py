@@ -67,6 +67,9 @@ class Worker(Handle):
         self._peer_interval = context._peer_interval
         self._peer_check_at = 0.0
         self._peer_tick = _live.PROGRESS_STRIDE
+        # Requests pending when gpucx force-closed a dead peer's endpoint:
+        # request -> (reason, until); see gpucx._liveness.peer_died.
+        self._suspects: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._aio = None  # gpucx.aio driver, when an event loop drives us
         self._notify_handler = None  # put-with-notify handler (ops.rma)
         self._on_close: list = []  # callables run first when closing

@@ -66,6 +66,12 @@ def _main(chan: Channel, role: str, tls: str, via_listener: bool) -> None:
             req = ep.am_send_nb(AM_ID, np.ones(BIG, np.uint8), proto="rndv", reply=True)
             while not chan.poll():  # until the survivor has the header
                 w.progress()
+        elif role == "tag_rndv":  # a rendezvous send the survivor matches
+            req = ep.send_nb(np.ones(BIG, np.uint8), tag=5)
+            while not chan.poll():  # until the survivor has seen it
+                w.progress()
+            chan.get()
+            chan.put("idle")
         elif role == "echo":  # serve one more round trip, then leave
             data = np.empty(1 << 20, np.uint8)
             info = w.recv(data, tag=3, timeout=30)

@@ -71,6 +71,22 @@ def case_tag_recv(w, ep, remote, proc, msgs, chan):
     _wait_ep_failed(w, ep)
 
 
+def case_tag_recv_matched(w, ep, remote, proc, msgs, chan):
+    # The peer's rendezvous send has arrived (its header is queued here) and
+    # the peer stopped progressing; the receive matches it, then the peer
+    # dies before the data moved.
+    end = time.monotonic() + BOUND_S
+    while w.probe(tag=5) is None:
+        assert time.monotonic() < end, "the peer's message never came"
+    chan.put("stop")
+    assert chan.get(BOUND_S) == "idle"
+    buf = np.zeros(BIG, np.uint8)
+    req = w.recv_nb(buf, tag=5)
+    kill(proc)
+    with pytest.raises(gpucx.PeerError):
+        req.wait(BOUND_S)
+
+
 def case_am_send(w, ep, remote, proc, msgs, chan):
     req = ep.am_send_nb(AM_ID, np.ones(BIG, np.uint8), proto="rndv")
     kill(proc)
@@ -170,7 +186,11 @@ CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("
 
 def run_case(op: str, tls: str, rounds: int) -> None:
     case = CASES[op]
-    role = {"am_receive_into": "am_rndv", "atomic": "amo"}.get(op, "idle")
+    role = {
+        "am_receive_into": "am_rndv",
+        "atomic": "amo",
+        "tag_recv_matched": "tag_rndv",
+    }.get(op, "idle")
     with gpucx.Context(config=transport_config(tls)) as ctx:
         w = ctx.create_worker()
         msgs: list = []
