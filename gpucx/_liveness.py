@@ -76,16 +76,20 @@ def peer_died(worker, ep, reason: str) -> None:
 
     With peer error handling the UCX endpoint is force-closed, which fails
     every operation still outstanding on it.  Without it a force close is
-    undefined behaviour in UCX, so the UCX endpoint is left to the worker's
-    destruction.  Either way, a tracked request UCX still holds is parked
-    (its buffers stay alive until UCX lets go) and fails with PeerError.
+    undefined behaviour in UCX; in ``"multi"`` thread mode another thread
+    may be posting on the endpoint right now.  In those cases the UCX
+    endpoint is left to the worker's destruction.  Either way, a tracked
+    request UCX still holds is parked (its buffers stay alive until UCX lets
+    go) and fails with PeerError, and blocking waits on the endpoint raise
+    PeerError (``request.block``).
     """
     ep._state.error = lib.UCS_ERR_CONNECTION_RESET
     ep._error_reason = reason
     ep._closed_reason = reason
     h = ep._h
     ep._h = None  # later operations raise PeerError (see _handle.raise_closed)
-    if ep._peer_mode:
+    force = ep._peer_mode and not worker._multi
+    if force:
         pending = [r for r in worker._pending if r._slot.status == INPROGRESS]
         slot = new_slot()
         if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
@@ -107,9 +111,13 @@ def peer_died(worker, ep, reason: str) -> None:
         else:
             worker._park(req._slot, req._keep)
             req._fail(PeerError(f"{req._what}: {reason}", ep._state.error))
-    # The endpoint's children (unpacked remote keys) go now: a later close()
-    # of the endpoint finds no UCX handle and would not reach them.
-    ep._close_children()
+    # The endpoint's children (unpacked remote keys) must go before the UCX
+    # endpoint and worker do; a later close() of the endpoint finds no UCX
+    # handle and would not reach them.
+    if force:
+        ep._close_children()
+    else:  # the UCX endpoint lives on: close them with the worker
+        worker._on_close.append(ep._close_children)
 
 
 def sweep_parked(worker) -> None:

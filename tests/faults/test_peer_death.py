@@ -184,7 +184,7 @@ def case_aio(w, ep, remote, proc, msgs, chan):
 CASES = {name[5:]: f for name, f in dict(globals()).items() if name.startswith("case_")}
 
 
-def run_case(op: str, tls: str, rounds: int) -> None:
+def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> None:
     case = CASES[op]
     role = {
         "am_receive_into": "am_rndv",
@@ -192,7 +192,7 @@ def run_case(op: str, tls: str, rounds: int) -> None:
         "tag_recv_matched": "tag_rndv",
     }.get(op, "idle")
     with gpucx.Context(config=transport_config(tls)) as ctx:
-        w = ctx.create_worker()
+        w = ctx.create_worker(thread_mode)
         msgs: list = []
         w.set_am_handler(AM_ID, msgs.append)
         for _ in range(rounds):
@@ -215,10 +215,11 @@ def run_case(op: str, tls: str, rounds: int) -> None:
         serve_new_peer(w, tls)
         w.progress()
         assert not w._pending, f"requests left tracked: {w._pending}"
-        if (op, tls) != ("am_receive_into", "shm"):
+        if (op, tls) != ("am_receive_into", "shm") and thread_mode != "multi":
             assert not w._parked, f"operations left parked: {w._parked}"
         # else: UCX keeps a rendezvous AM receive from a dead shared-memory
-        # peer until the worker is destroyed; gpucx parks it with its buffer.
+        # peer until the worker is destroyed; gpucx parks it with its buffer
+        # (in "multi" mode, every operation UCX held on the dead endpoint).
         assert not w._watched
         w.close()
         assert not w._pending and not w._parked
@@ -272,3 +273,15 @@ def test_listener_endpoint_reports_death(tls):
                     proc.join(10)
         serve_new_peer(w, tls)
         assert not w._pending and not w._parked
+
+
+#: In "multi" thread mode gpucx does not force-close a dead peer's endpoint
+#: (another thread may be posting on it): it fails the endpoint and its
+#: requests itself, and UCX's endpoint lives until the worker closes.
+MULTI = ["tag_send", "flush", "stream_recv", "put", "aio", "recv_array"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("op", MULTI)
+def test_peer_killed_multi_thread_worker(op):
+    run_case(op, "shm", ROUNDS, thread_mode="multi")
