@@ -248,9 +248,9 @@ class Endpoint:
             raise_closed(ep)
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
-        self._ep.close(force)
+        self._ep.close(force, timeout=timeout)
 
     async def __aenter__(self):
         return self
@@ -304,10 +304,11 @@ class Worker:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Close the worker (its endpoints and listeners first)."""
+    def close(self, *, timeout: float | None = None) -> None:
+        """Close the worker (its endpoints and listeners first; see
+        :meth:`gpucx.Worker.close`)."""
         self._drv.detach()
-        self._worker.close()
+        self._worker.close(timeout=timeout)
 
     # -- connections ----------------------------------------------------------
 
