@@ -316,6 +316,7 @@ def set_driver(drv: Any, problem_text: str | None = None) -> Any:
     previous = (_driver, _driver_problem)
     _driver = drv
     _driver_problem = problem_text
+    _events.forget()
     return previous
 
 
@@ -323,6 +324,7 @@ def restore_driver(previous: Any) -> None:
     """Undo :func:`set_driver` with the value it returned."""
     global _driver, _driver_problem
     _driver, _driver_problem = previous
+    _events.forget()
 
 
 # -- capability -----------------------------------------------------------------
@@ -409,6 +411,10 @@ def as_stream(stream: Any) -> int | None:
         return None
     if _is_int(stream):
         handle = stream
+    elif isinstance(stream, (bool, float)):
+        raise TypeError(
+            f"stream must be None, an int handle or a stream, not {stream!r}"
+        )
     else:
         handle = None
         for attr in ("ptr", "cuda_stream"):
@@ -451,6 +457,11 @@ class _Events:
     def give(self, ctx: int, event: int) -> None:
         with self._lock:
             self._free.setdefault(ctx, []).append(event)
+
+    def forget(self) -> None:
+        """Drop every pooled event (they belong to the previous driver)."""
+        with self._lock:
+            self._free.clear()
 
 
 _events = _Events()
