@@ -545,3 +545,24 @@ def test_current_device_never_assumes_device_zero(fake_driver):
     finally:
         if saved is not None:
             sys.modules["cupy"] = saved
+
+
+def test_aio_passes_stream_through(no_driver, ctx):
+    import asyncio
+
+    import gpucx.aio
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            ep = await w.aconnect(w.worker.address)
+            with pytest.raises(gpucx.UnsupportedError, match="CUDA stream"):
+                await ep.asend(b"abc", tag=1, stream=FakeCupyStream(5))
+            with pytest.raises(gpucx.UnsupportedError, match="CUDA stream"):
+                await w.arecv(bytearray(3), tag=1, stream=1)
+            got = bytearray(3)
+            recv = asyncio.ensure_future(w.arecv(got, tag=2))
+            await ep.asend(b"xyz", tag=2)
+            await recv
+            assert got == b"xyz"
+
+    asyncio.run(main())
