@@ -495,3 +495,8 @@ class FakeDriver:
 
     def event_destroy(self, event: int) -> None:
         self._log("event_destroy", event)
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        # The fake "device" memory is host memory: a plain copy.
+        self._log("memcpy", dst, src, nbytes)
+        ctypes.memmove(dst, src, nbytes)

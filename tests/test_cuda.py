@@ -321,7 +321,8 @@ def test_dlpack_producer_gets_consumer_stream(cupy, cpair):
     src = OnlyDLPack(pattern(cupy, 5000, 6))
     dst = cupy.zeros(5000, cupy.uint8)
     cpair.drive(cpair.ab.send_nb(src, tag=13, stream=s), cpair.b.recv_nb(dst, tag=13))
-    assert src.streams == [s.ptr]
+    # (twice if this CuPy predates max_version: gpucx retries without it)
+    assert src.streams and set(src.streams) == {s.ptr}
     same_bytes(dst, src.arr)
 
 

@@ -566,3 +566,42 @@ def test_aio_passes_stream_through(no_driver, ctx):
             assert got == b"xyz"
 
     asyncio.run(main())
+
+
+def _eager_message(pair, payload):
+    msgs = []
+    pair.b.set_am_handler(7, msgs.append)
+    pair.drive(pair.ab.am_send_nb(7, payload, proto="eager"))
+    end = time.monotonic() + 10
+    while not msgs:
+        pair.b.progress()
+        assert time.monotonic() < end
+    assert not msgs[0].is_rndv
+    return msgs[0]
+
+
+def test_eager_am_into_cuda_here_is_refused_and_kept(no_driver, pair):
+    msg = _eager_message(pair, b"0123456789")
+    fake = FakeCudaArrayV2(np.zeros(10, np.uint8))
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot be moved"):
+        msg.receive_into(fake)
+    out = bytearray(10)
+    assert msg.receive_into(out).wait(5) == 10
+    assert out == b"0123456789"
+
+
+def test_eager_am_into_cuda_is_copied_by_the_driver(fake_driver, pair):
+    _cuda_capable(pair.ctx)
+    msg = _eager_message(pair, b"0123456789")
+    arr = np.zeros(10, np.uint8)
+    fake_driver.pointers[_address(arr)] = (CUDA, 1, 0xC1)
+    fake_driver.polls = 1
+    assert msg.receive_into(FakeCudaArrayV2(arr), stream=0x5A).wait(5) == 10
+    assert arr.tobytes() == b"0123456789"
+    kinds = fake_driver.names()
+    # device current, stream waited for, then the copy
+    assert kinds.index("set_current") < kinds.index("event_record")
+    assert kinds.index("event_record") < kinds.index("memcpy")
+    assert ("memcpy", _address(arr)) == fake_driver.calls[kinds.index("memcpy")][:2]
+    with pytest.raises(RuntimeError, match="already received"):
+        msg.receive_into(bytearray(10))

@@ -114,6 +114,7 @@ class Driver:
             "cuEventQuery": [vp],
             "cuEventSynchronize": [vp],
             "cuEventDestroy_v2": [vp],
+            "cuMemcpy": [vp, vp, ctypes.c_size_t],
             "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
         }
         for name, argtypes in sig.items():
@@ -262,6 +263,16 @@ class Driver:
         """Block until the event has completed (``cuEventSynchronize``)."""
         self._check(
             self._lib.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize"
+        )
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy between any two addresses (unified addressing), returning
+        once the bytes are in ``dst`` (``cuMemcpy``)."""
+        self._check(
+            self._lib.cuMemcpy(
+                ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes)
+            ),
+            "cuMemcpy",
         )
 
     def event_destroy(self, event: int) -> None:
@@ -688,6 +699,38 @@ def prepare(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> 
                 driver().pop()
             raise
     return pushed
+
+
+def copy_in(
+    worker: Any,
+    dst: Any,
+    memory_type: int,
+    src: Any,
+    nbytes: int,
+    stream: Any,
+    what: str,
+) -> None:
+    """Copy ``nbytes`` of host memory at ``src`` into CUDA memory at ``dst``.
+
+    Used where gpucx itself must deliver bytes UCX already received into host
+    memory (an eager active message) to a device buffer: :func:`prepare`
+    (capability, device, stream), then ``cuMemcpy``, which returns once the
+    bytes are in device memory.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        As for :func:`prepare`.
+    """
+    pushed = prepare(worker, dst, memory_type, stream, what)
+    try:
+        from .._lib import ffi
+
+        driver().memcpy(
+            int(ffi.cast("uintptr_t", dst)), int(ffi.cast("uintptr_t", src)), nbytes
+        )
+    finally:
+        leave(pushed)
 
 
 def leave(pushed: bool) -> None:

@@ -63,6 +63,9 @@ _RNDV = lib.GPUCX_AM_FLAG_RNDV
 _SEND = "am send"
 _RECV = "am receive"
 _HOST = int(lib.UCS_MEMORY_TYPE_HOST)
+_CUDA_TYPES = frozenset(
+    {int(lib.UCS_MEMORY_TYPE_CUDA), int(lib.UCS_MEMORY_TYPE_CUDA_MANAGED)}
+)
 
 
 # -- worker integration (called by Worker) -----------------------------------
@@ -300,7 +303,8 @@ class AmMessage:
         BufferError
             If ``buf`` is read-only or not contiguous.
         gpucx.UnsupportedError
-            For an eager payload into non-host memory.
+            For an eager payload into memory other than host or CUDA, or CUDA
+            memory on a context that cannot move it.
         gpucx.ClosedError
             If the worker is closed.
         """
@@ -333,14 +337,18 @@ class AmMessage:
             if cu:
                 _cuda.leave(cu)
             return Request(w, slot, keep, _RECV, _nbytes, None, n)
-        if mt != _HOST and self.nbytes:
+        if mt == _HOST or not self.nbytes:
+            if stream is not None:
+                _cuda.prepare(w, ptr, mt, stream, _RECV)
+            ffi.memmove(ptr, self._rec.data, self.nbytes)
+        elif mt in _CUDA_TYPES:
+            # UCX delivered the eager payload to host memory: copy it in.
+            _cuda.copy_in(w, ptr, mt, self._rec.data, self.nbytes, stream, _RECV)
+        else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "
-                "host memory (send with proto='rndv' for device buffers)"
+                "host or CUDA memory (send with proto='rndv' for device buffers)"
             )
-        if stream is not None:
-            _cuda.prepare(w, ptr, mt, stream, _RECV)
-        ffi.memmove(ptr, self._rec.data, self.nbytes)
         self._drop()
         slot.status = lib.UCS_OK
         slot.length = self.nbytes
