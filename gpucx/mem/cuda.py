@@ -362,7 +362,9 @@ def problem(context: Any) -> str | None:
         return cached
     reasons = []
     if MemoryType.CUDA not in context.memory_types:
-        tls = context.config.get("TLS")
+        import os
+
+        tls = context.config.get("TLS") or os.environ.get("UCX_TLS")
         reasons.append(_NO_UCX_CUDA + (f" (this context: TLS={tls})" if tls else ""))
     drv_problem = driver_problem()
     if drv_problem is not None:
