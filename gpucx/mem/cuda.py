@@ -123,8 +123,8 @@ class Driver:
             fn.restype = i
 
     @classmethod
-    def load(cls) -> Driver:
-        """Load ``libcuda.so.1`` and call ``cuInit(0)``.
+    def load(cls, name: str = "libcuda.so.1") -> Driver:
+        """Load the driver library ``name`` and call ``cuInit(0)``.
 
         Raises
         ------
@@ -133,7 +133,7 @@ class Driver:
         DriverError
             If ``cuInit`` fails (no device, driver/library mismatch).
         """
-        lib = ctypes.CDLL("libcuda.so.1")
+        lib = ctypes.CDLL(name)
         lib.cuInit.argtypes = [ctypes.c_uint]
         lib.cuInit.restype = ctypes.c_int
         drv = cls(lib)
