@@ -237,9 +237,12 @@ class Endpoint:
         """The underlying blocking-API :class:`gpucx.Endpoint`."""
         return self._ep
 
-    async def asend(self, buf, tag: int = 0, sync: bool = False) -> None:
-        """``ep.send`` as a coroutine."""
-        return await self._drv.wait(self._ep.send_nb(buf, tag, sync))
+    async def asend(
+        self, buf, tag: int = 0, sync: bool = False, *, stream=None
+    ) -> None:
+        """``ep.send`` as a coroutine (``stream``: see docs/gpu.md)."""
+        req = self._ep.send_nb(buf, tag, sync, stream=stream)
+        return await self._drv.wait(req)
 
     async def aflush(self) -> None:
         """Wait until every operation on this endpoint completed remotely."""
@@ -371,9 +374,13 @@ class Worker:
 
     # -- tag matching ---------------------------------------------------------
 
-    async def arecv(self, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL):
-        """``worker.recv`` as a coroutine; returns :class:`gpucx.RecvInfo`."""
-        return await self._drv.wait(self._worker.recv_nb(buf, tag, tag_mask))
+    async def arecv(
+        self, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL, *, stream=None
+    ):
+        """``worker.recv`` as a coroutine; returns :class:`gpucx.RecvInfo`
+        (``stream``: see docs/gpu.md)."""
+        req = self._worker.recv_nb(buf, tag, tag_mask, stream=stream)
+        return await self._drv.wait(req)
 
     async def aflush(self) -> None:
         """Wait until every operation of this worker completed remotely."""
