@@ -88,6 +88,9 @@ def peer_died(worker, ep, reason: str) -> None:
     ep._closed_reason = reason
     h = ep._h
     ep._h = None  # later operations raise PeerError (see _handle.raise_closed)
+    parent = ep._parent  # the bookkeeping close() does for a closed child
+    if parent is not None:
+        parent._live -= 1
     force = ep._peer_mode and not worker._multi
     if force:
         pending = [r for r in worker._pending if r._slot.status == INPROGRESS]
@@ -117,7 +120,13 @@ def peer_died(worker, ep, reason: str) -> None:
     if force:
         ep._close_children()
     else:  # the UCX endpoint lives on: close them with the worker
-        worker._on_close.append(ep._close_children)
+        worker._on_close.append(lambda: _close_keys(worker, ep))
+
+
+def _close_keys(worker, ep) -> None:
+    """Close a dead peer's remote keys within the closing worker's deadline."""
+    ep._deadline = worker._deadline
+    ep._close_children()
 
 
 def sweep_parked(worker) -> None:
