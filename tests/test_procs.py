@@ -50,7 +50,7 @@ def test_peer_death_fails_pending_send():
     """Over TCP a killed peer fails the pending rendezvous send at once.
 
     Shared memory (UCX 1.22 with MM_ERROR_HANDLING=y) does not report a dead
-    peer at all; the reliability work tracks that separately.
+    peer at all; gpucx's own liveness checks do (tests/faults).
     """
     q, theirs = channel_pair()
     child = spawn(die_before_receiving, theirs)
