@@ -584,3 +584,42 @@ def test_fuzz_notify_messages(profile):
         run("notify messages", profile, cases, body)
     finally:
         ctx.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tls_name", ["tcp", "shm"])
+@pytest.mark.parametrize("features", [None, ("tag", "am")], ids=["rma", "no-rma"])
+def test_key_packed_by_the_attacker(tls_name, features):
+    """Pins docs/rma.md: a peer that packed a key of its own memory and
+    forged a token with an address in the owner writes there when the
+    owner's context has the "rma" feature (UCX does not bound the key on
+    these transports), and cannot when the owner left "rma" out."""
+    from conftest import transport_config
+    from peers_fuzz import rma_owner_peer
+
+    ours, theirs = channel_pair()
+    proc = spawn(rma_owner_peer, tls_name, features, theirs)
+    try:
+        addr, target = ours.get(30)
+        with gpucx.Context(config=transport_config(tls_name)) as ctx:
+            mine = ctx.register(np.zeros(64, np.uint8)).remote()
+            w = ctx.create_worker()
+            ep = w.connect(addr)
+            forged = RemoteMemory(target, 64, mine.memory_type, mine.rkey)
+            key = ep.unpack(forged)
+            try:
+                ep.put(np.full(64, 7, np.uint8), key, 0, timeout=3)
+                ep.flush(timeout=3)
+                landed = True
+            except gpucx.TimeoutError:
+                landed = False
+            ours.put("report")
+            seen = ours.get(30)
+            ours.put("done")
+            ep.close(force=True)
+        if features is None:
+            assert landed and seen == 7 * 64
+        else:
+            assert not landed and seen == 0
+    finally:
+        join_ok(proc, 60)
