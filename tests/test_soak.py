@@ -7,6 +7,7 @@ a tenth of the full counts and holds each phase to the drift targets
 
 from __future__ import annotations
 
+import os
 import pathlib
 import subprocess
 import sys
@@ -56,3 +57,24 @@ def test_soak(phase):
     (r,) = soak.run(scale=0.1, phases=[phase])
     assert r["fd_drift"] <= soak.FD_LIMIT, r
     assert r["rss_drift"] < soak.RSS_LIMIT, r
+
+
+def test_soak_measure_sees_leaks():
+    """The measurement itself: a phase that keeps 64 KiB and one descriptor
+    per step is reported over both targets."""
+    kept: list = []
+
+    def leak(i: int) -> None:
+        kept.append(bytearray(64 * 1024))
+        if i % 50 == 0:
+            kept.append(os.open(os.devnull, os.O_RDONLY))
+
+    try:
+        r = soak._soak("leak", 100, leak)
+    finally:
+        for k in kept:
+            if isinstance(k, int):
+                os.close(k)
+    assert r["rss_drift"] >= soak.RSS_LIMIT
+    assert r["fd_drift"] == 2
+    assert not soak.within_target(r)
