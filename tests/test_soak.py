@@ -7,6 +7,7 @@ a tenth of the full counts and holds each phase to the drift targets
 
 from __future__ import annotations
 
+import mmap
 import os
 import pathlib
 import subprocess
@@ -65,7 +66,10 @@ def test_soak_measure_sees_leaks():
     kept: list = []
 
     def leak(i: int) -> None:
-        kept.append(bytearray(64 * 1024))
+        # Fresh pages (not heap that earlier tests freed and RSS still counts).
+        page = mmap.mmap(-1, 64 * 1024)
+        page.write(b"x" * len(page))
+        kept.append(page)
         if i % 50 == 0:
             kept.append(os.open(os.devnull, os.O_RDONLY))
 
