@@ -1,6 +1,8 @@
 """Lifetime rules shared by Context, Worker, Endpoint, Listener and regions.
 
-* ``close()`` is explicit, idempotent and closes children first;
+* ``close()`` is explicit, idempotent and closes children first, all within
+  one deadline (``CLOSE_TIMEOUT_S``, then a short grace): a close never
+  blocks for ever, however many children or dead peers there are;
 * every handle is a context manager;
 * use after close raises :class:`~gpucx.ClosedError`;
 * an unclosed handle warns ``ResourceWarning`` from ``__del__`` and closes;
@@ -14,6 +16,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import time
 import warnings
 import weakref
 from typing import Any
@@ -23,6 +26,21 @@ from .errors import ClosedError
 _live_roots: weakref.WeakSet[Any] = weakref.WeakSet()
 _alive = True
 _serials = itertools.count(1)
+
+
+#: How long closing one object (with everything under it) may wait for
+#: outstanding operations and for the peer before it cancels what is left.
+CLOSE_TIMEOUT_S = 10.0
+#: Extra time a close gives UCX to report cancellations after the deadline.
+CLOSE_GRACE_S = 1.0
+
+
+def time_left(deadline: float | None, floor: float = 0.0) -> float:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), at least
+    ``floor``."""
+    if deadline is None:
+        return max(CLOSE_TIMEOUT_S, floor)
+    return max(deadline - time.monotonic(), floor)
 
 
 class Handle:
@@ -35,8 +53,17 @@ class Handle:
 
     _h: Any = None
     _closed_reason: str | None = None
+    #: When this close must be over (``time.monotonic()``); set by close()
+    #: and handed down to the children, so closing a parent with many
+    #: children is bounded as a whole, not per child.
+    _deadline: float | None = None
     _pid: int = 0
     _is_worker = False
+    _parent: Handle | None = None
+    #: Children adopted and not yet closed.
+    _live = 0
+    #: Garbage collection finalized this handle while children were open.
+    _deferred = False
 
     def _init_handle(self) -> None:
         self._children: weakref.WeakSet[Handle] = weakref.WeakSet()
@@ -45,6 +72,8 @@ class Handle:
 
     def _adopt(self, child: Handle) -> None:
         self._children.add(child)
+        child._parent = self
+        self._live += 1
 
     @property
     def closed(self) -> bool:
@@ -53,18 +82,41 @@ class Handle:
 
     def _close_children(self) -> None:
         # Newest first: endpoints made from a listener close before it.
+        deadline = self._deadline
         for child in sorted(
             list(self._children), key=lambda c: getattr(c, "_serial", 0), reverse=True
         ):
+            if deadline is not None and (
+                child._deadline is None or child._deadline > deadline
+            ):
+                child._deadline = deadline
             child.close()
 
     def _release(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def close(self) -> None:
-        """Release the UCX resource (children first).  Safe to call twice."""
+    def close(self, *, timeout: float | None = None) -> None:
+        """Release the UCX resource (children first).  Safe to call twice.
+
+        Everything under this object closes within one deadline: ``timeout``
+        seconds (default ``CLOSE_TIMEOUT_S``, 10 s) for flushing endpoints
+        and draining outstanding operations, then what is left is canceled.
+
+        Raises
+        ------
+        ValueError
+            For a negative ``timeout``.
+        """
+        if timeout is not None:
+            if timeout < 0:
+                raise ValueError(f"timeout must be >= 0, not {timeout}")
+            deadline = time.monotonic() + timeout
+            if self._deadline is None or deadline < self._deadline:
+                self._deadline = deadline
         if self._h is None:
             return
+        if self._deadline is None:
+            self._deadline = time.monotonic() + CLOSE_TIMEOUT_S
         try:
             self._close_children()
         finally:
@@ -74,6 +126,11 @@ class Handle:
                 self._h = None
                 if self._closed_reason is None:
                     self._closed_reason = "closed"
+                parent = self._parent
+                if parent is not None:
+                    parent._live -= 1
+                    if parent._deferred and parent._live == 0:
+                        parent.close()
 
     def _abandon(self, reason: str) -> None:
         """Forget the UCX handle without calling UCX (forked child)."""
@@ -94,6 +151,13 @@ class Handle:
         if self._pid != os.getpid():
             return
         warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2)
+        if self._live > 0:
+            # Garbage collection finalizes a cycle in no set order and has
+            # already emptied the weak set of children: closing now would
+            # free UCX state (a context) under children it can no longer
+            # see.  The last child to close closes this handle.
+            self._deferred = True
+            return
         try:
             self.close()
         except Exception:

@@ -237,9 +237,12 @@ class Endpoint:
         """The underlying blocking-API :class:`gpucx.Endpoint`."""
         return self._ep
 
-    async def asend(self, buf, tag: int = 0, sync: bool = False) -> None:
-        """``ep.send`` as a coroutine."""
-        return await self._drv.wait(self._ep.send_nb(buf, tag, sync))
+    async def asend(
+        self, buf, tag: int = 0, sync: bool = False, *, stream=None
+    ) -> None:
+        """``ep.send`` as a coroutine (``stream``: see docs/gpu.md)."""
+        req = self._ep.send_nb(buf, tag, sync, stream=stream)
+        return await self._drv.wait(req)
 
     async def aflush(self) -> None:
         """Wait until every operation on this endpoint completed remotely."""
@@ -248,9 +251,9 @@ class Endpoint:
             raise_closed(ep)
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
-    def close(self, force: bool = False) -> None:
+    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
-        self._ep.close(force)
+        self._ep.close(force, timeout=timeout)
 
     async def __aenter__(self):
         return self
@@ -304,10 +307,11 @@ class Worker:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Close the worker (its endpoints and listeners first)."""
+    def close(self, *, timeout: float | None = None) -> None:
+        """Close the worker (its endpoints and listeners first; see
+        :meth:`gpucx.Worker.close`)."""
         self._drv.detach()
-        self._worker.close()
+        self._worker.close(timeout=timeout)
 
     # -- connections ----------------------------------------------------------
 
@@ -370,9 +374,13 @@ class Worker:
 
     # -- tag matching ---------------------------------------------------------
 
-    async def arecv(self, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL):
-        """``worker.recv`` as a coroutine; returns :class:`gpucx.RecvInfo`."""
-        return await self._drv.wait(self._worker.recv_nb(buf, tag, tag_mask))
+    async def arecv(
+        self, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL, *, stream=None
+    ):
+        """``worker.recv`` as a coroutine; returns :class:`gpucx.RecvInfo`
+        (``stream``: see docs/gpu.md)."""
+        req = self._worker.recv_nb(buf, tag, tag_mask, stream=stream)
+        return await self._drv.wait(req)
 
     async def aflush(self) -> None:
         """Wait until every operation of this worker completed remotely."""

@@ -78,6 +78,27 @@ class Context(Handle):
         bits = lib.gpucx_context_memory_types(h)
         return frozenset(m for m in MemoryType if m.value < 64 and bits >> m.value & 1)
 
+    @property
+    def cuda_problem(self) -> str | None:
+        """Why this context cannot move CUDA memory, or None when it can.
+
+        CUDA memory moves when UCX lists CUDA among this context's memory
+        types (a UCX built with CUDA whose ``cuda_copy`` transport loaded
+        under this ``UCX_TLS``) and a CUDA driver with a device is present.
+        The text names what is missing; operations on CUDA buffers raise
+        :class:`~gpucx.UnsupportedError` with it.
+        """
+        if self._h is None:
+            raise_closed(self)
+        from .mem import cuda
+
+        return cuda.problem(self)
+
+    @property
+    def cuda_available(self) -> bool:
+        """Whether this context can move CUDA memory (see :attr:`cuda_problem`)."""
+        return self.cuda_problem is None
+
     def create_worker(self, thread_mode: str = "single"):
         """Create a :class:`~gpucx.Worker` (``"single"``, ``"serialized"``,
         ``"multi"``).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from ._handle import Handle, raise_closed
+from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
-from .errors import InvalidAddressError, UCXError, check, error_for, status_name
+from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
 from .ops import am as _am
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
@@ -17,9 +17,6 @@ from .request import INPROGRESS, finish, new_slot
 
 __all__ = ["Endpoint"]
 
-#: Longest a flush close may take before gpucx falls back to a force close.
-CLOSE_TIMEOUT_S = 10.0
-
 
 class Endpoint(Handle):
     """A connection to one peer worker (``ucp_ep_create``).
@@ -29,6 +26,8 @@ class Endpoint(Handle):
     """
 
     _borrowed = False
+    #: True while close() runs (keys unpacked on it defer to it).
+    _closing = False
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -119,7 +118,9 @@ class Endpoint(Handle):
     def error(self) -> UCXError | None:
         """The failure UCX reported for this endpoint (peer death...), or None."""
         st = self._state.error
-        return None if st == lib.UCS_OK else error_for(st, f"endpoint {self.peer}")
+        if st == lib.UCS_OK:
+            return None
+        return peer_error_for(st, f"endpoint {self.peer}")
 
     @property
     def transports(self) -> list[tuple[str, str]]:
@@ -201,16 +202,32 @@ class Endpoint(Handle):
 
     # -- lifetime -------------------------------------------------------------
 
-    def close(self, force: bool = False) -> None:
-        """Close the endpoint.
+    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
+        """Close the endpoint.  Safe to call twice.
 
-        By default a flush close: operations already issued complete first
-        (bounded by ``CLOSE_TIMEOUT_S``, then force).  ``force=True`` closes at
-        once (``UCP_EP_CLOSE_MODE_FORCE``); pending operations are canceled.
-        Safe to call twice.
+        By default a flush close: gpucx waits until every operation issued on
+        this endpoint has completed (and UCX flushed the endpoint), at most
+        ``timeout`` seconds (default ``CLOSE_TIMEOUT_S``, 10 s; less when the
+        worker or context is closing and its own deadline comes first).
+        Whatever is still pending then is canceled by a force close: its
+        request fails with :class:`~gpucx.CanceledError`.
+
+        ``force=True`` closes at once (``UCP_EP_CLOSE_MODE_FORCE``): pending
+        operations fail with :class:`~gpucx.CanceledError`, nothing is
+        flushed.  An endpoint whose peer failed is always force-closed.
+
+        Raises
+        ------
+        ValueError
+            For a negative ``timeout``.
         """
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0, not {timeout}")
         self._force = force
-        super().close()
+        if self._h is not None:
+            self._closing = True
+            self._late_rkeys: list = []
+        super().close(timeout=timeout)
 
     def _release(self) -> None:
         w = self._w
@@ -218,16 +235,81 @@ class Endpoint(Handle):
             return
         if self._borrowed:  # UCX owns it (an AM reply endpoint)
             return
+        deadline = self._deadline
         force = getattr(self, "_force", False) or self._state.error != lib.UCS_OK
+        if not force:
+            # Flush first and wait for this endpoint's own requests: a flush
+            # close in UCX completes without waiting for, e.g., a rendezvous
+            # send the peer has not matched, which would then never finish.
+            force = not self._drain(deadline)
         slot = new_slot()
         if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
-            _close_wait(w, slot, CLOSE_TIMEOUT_S)
+            _close_wait(w, slot, time_left(deadline, CLOSE_GRACE_S))
         if slot.status == INPROGRESS:
             # UCX still owns the close request: never close twice, never free
             # the slot under it; the worker settles it when it is destroyed.
             w._park(slot, None)
         else:
             lib.gpucx_slot_release(slot)
+        if force:
+            # A force close completes this endpoint's requests (canceled)
+            # from inside progress; let them land before the caller looks.
+            _settle(w, self, CLOSE_GRACE_S)
+        if any(r._ep is self and r._slot.status == INPROGRESS for r in w._pending):
+            return  # UCX may still use the keys: never free them under it
+        for rkey in self._late_rkeys:
+            lib.gpucx_rkey_destroy(rkey)
+
+    def _drain(self, deadline: float | None) -> bool:
+        """Flush, then wait until no request of this endpoint is pending.
+
+        True when everything completed before ``deadline``.
+        """
+        w = self._w
+        slot = new_slot()
+        st = lib.gpucx_ep_flush(self._h, slot)
+        # Receives on the endpoint (stream) wait for the peer to send, which
+        # it may never do: the close cancels them rather than waiting.
+        mine = [r for r in w._pending if r._ep is self and r._what != _stream._RECV]
+        end = time.monotonic() + time_left(deadline)
+        siblings = _siblings(w)
+        efd = -1 if siblings else w._efd
+        try:
+            while True:
+                if st == INPROGRESS:
+                    st = slot.status
+                if st != INPROGRESS:
+                    mine = [r for r in mine if r._slot.status == INPROGRESS]
+                    if not mine:
+                        return self._state.error == lib.UCS_OK
+                if time.monotonic() >= end:
+                    return False
+                for other in siblings:
+                    if other._h is not None:
+                        lib.ucp_worker_progress(other._h)
+                lib.gpucx_worker_sleep(w._h, efd, 1)
+        finally:
+            if slot.status == INPROGRESS:
+                # The force close that follows completes the flush request.
+                w._park(slot, None)
+            else:
+                lib.gpucx_slot_release(slot)
+
+
+def _siblings(worker) -> list:
+    """The other live workers of ``worker``'s context: a peer may be one of
+    them (tests, pipelines), and a close that needs the peer must progress
+    it too."""
+    return [c for c in worker._context._children if c is not worker and c._is_worker]
+
+
+def _settle(worker, ep, timeout: float) -> None:
+    """Progress ``worker`` until no request of ``ep`` is pending (bounded)."""
+    mine = [r for r in worker._pending if r._ep is ep]
+    end = time.monotonic() + timeout
+    while mine and time.monotonic() < end:
+        lib.ucp_worker_progress(worker._h)
+        mine = [r for r in mine if r._slot.status == INPROGRESS]
 
 
 def _close_wait(worker, slot, timeout: float) -> None:
@@ -239,9 +321,7 @@ def _close_wait(worker, slot, timeout: float) -> None:
     worker's event fd.
     """
     end = time.monotonic() + timeout
-    siblings = [
-        c for c in worker._context._children if c is not worker and c._is_worker
-    ]
+    siblings = _siblings(worker)
     efd = -1 if siblings else worker._efd
     while slot.status == INPROGRESS and time.monotonic() < end:
         for other in siblings:

@@ -124,6 +124,20 @@ def error_for(status: int, what: str) -> UCXError:
     return cls(f"{what}: {reason}", status)
 
 
+def peer_error_for(status: int, what: str) -> UCXError:
+    """Build the exception for an endpoint that UCX reported as failed.
+
+    Whatever status the error callback carried (connection reset, a
+    vanished shared-memory segment, an I/O error...), the cause is on the
+    peer's side: it is reported as :class:`PeerError` with that status.
+    """
+    reason = ffi.string(lib.ucs_status_string(status)).decode()
+    cls = _STATUS_TO_CLASS.get(status)
+    if cls is None or not issubclass(cls, PeerError):
+        cls = PeerError
+    return cls(f"{what}: {reason}", status)
+
+
 def check(status: int, what: str) -> None:
     """Raise the exception for ``status`` unless it is ``UCS_OK``.
 

@@ -26,6 +26,7 @@ from .errors import (
     TimeoutError,
     UCXError,
     error_for,
+    peer_error_for,
 )
 
 __all__ = ["Request", "RecvInfo", "block", "INPROGRESS"]
@@ -131,7 +132,7 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     if ep is not None and ep._state is not None and ep._state.error != OK:
         # The endpoint failed: report the endpoint's cause (peer death), not
         # the secondary status of the request.
-        st = ep._state.error
+        raise peer_error_for(ep._state.error, what)
     exc = error_for(st, what)
     if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
         exc.buffer_size = nbytes

@@ -6,14 +6,14 @@ import time
 import weakref
 from typing import Any
 
-from ._handle import Handle, raise_closed
+from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
 from .ops import rma as _rma
 from .ops import tag as _tag
-from .request import _DRAIN_S, INPROGRESS, finish, new_slot
+from .request import INPROGRESS, finish, new_slot
 
 __all__ = ["Worker"]
 
@@ -265,7 +265,7 @@ class Worker(Handle):
         for req in list(self._pending):
             if req._slot.status == INPROGRESS:
                 lib.gpucx_slot_cancel(h, req._slot)
-        end = time.monotonic() + _DRAIN_S
+        end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
         while time.monotonic() < end and any(
             r._slot.status == INPROGRESS for r in self._pending
         ):

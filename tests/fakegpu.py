@@ -12,6 +12,11 @@ through a GPU protocol, so that the CAI and DLPack paths of
   :class:`FakeDLPackCudaLegacy` only knows the pre-1.0 ``"dltensor"`` capsule.
 - :class:`DLPackHostArray`: a real host array that speaks only DLPack
   (NumPy's own producer), recording the keyword arguments it is given.
+- :class:`FakeCupyStream`, :class:`FakeTorchStream`, :class:`FakeNumbaStream`:
+  objects shaped like those libraries' stream objects, carrying a fake handle.
+- :class:`FakeDriver`: stands in for the CUDA driver (``libcuda.so.1``) in
+  :mod:`gpucx.mem.cuda`; it owns no GPU, records every call in order and
+  reports events as complete after a set number of polls.
 
 Nothing here may touch the memory as if it were on a GPU: it is host memory,
 and the tests read and write it directly to check the reported pointers.
@@ -33,6 +38,10 @@ __all__ = [
     "FakeDLPackCudaLegacy",
     "DLPackHostArray",
     "live_fake_tensors",
+    "FakeCupyStream",
+    "FakeTorchStream",
+    "FakeNumbaStream",
+    "FakeDriver",
 ]
 
 #: The stream handle FakeCudaArrayV3 reports by default (not a real stream).
@@ -355,3 +364,139 @@ class DLPackHostArray:
     def __dlpack__(self, **kwargs: Any) -> object:
         self.calls.append(kwargs)
         return self.array.__dlpack__(**kwargs)
+
+
+# --- stream objects and the CUDA driver (no GPU behind any of them) ---------
+
+
+class FakeCupyStream:
+    """Shaped like ``cupy.cuda.Stream``: the handle is ``.ptr``."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class FakeTorchStream:
+    """Shaped like ``torch.cuda.Stream``: the handle is ``.cuda_stream``."""
+
+    def __init__(self, handle: int):
+        self.cuda_stream = handle
+
+
+class _CPointer:
+    def __init__(self, value: int | None):
+        self.value = value
+
+
+class FakeNumbaStream:
+    """Shaped like a Numba CUDA stream: ``.handle`` is a ctypes pointer whose
+    ``.value`` is the handle (``None`` for the default stream)."""
+
+    def __init__(self, handle: int | None):
+        self.handle = _CPointer(handle)
+
+
+class FakeDriver:
+    """A stand-in for the CUDA driver, for machines without a GPU.
+
+    Install it with ``gpucx.mem.cuda.set_driver(FakeDriver(...))``.  Every
+    call is appended to :attr:`calls` as a tuple ``(name, *args)``; an
+    ``observer`` callable, when set, is told the same tuples (tests use it
+    to interleave their own records).
+
+    Parameters
+    ----------
+    devices : int
+        What ``device_count`` reports.
+    pointers : dict
+        ``address -> (memory_type, device, context)`` for ``pointer``;
+        other addresses are host memory.
+    polls : int
+        ``event_query`` answers "not ready" this many times per recorded
+        event before it answers "done".
+    """
+
+    def __init__(self, devices: int = 2, pointers=None, polls: int = 0):
+        self.devices = devices
+        self.pointers = dict(pointers or {})
+        self.polls = polls
+        self.calls: list[tuple] = []
+        self.current = 0
+        self.stack: list[int] = []
+        self.pending: dict[int, int] = {}
+        self.observer = None
+        self._next_event = 0xE0
+
+    def _log(self, *call: Any) -> None:
+        self.calls.append(call)
+        if self.observer is not None:
+            self.observer(call)
+
+    def names(self) -> list[str]:
+        """The names of the calls so far, in order."""
+        return [c[0] for c in self.calls]
+
+    def version(self) -> int:
+        return 12040
+
+    def device_count(self) -> int:
+        self._log("device_count")
+        return self.devices
+
+    def pointer(self, ptr: int) -> tuple[int, int, int]:
+        self._log("pointer", ptr)
+        return self.pointers.get(ptr, (0, -1, 0))
+
+    def current_context(self) -> int:
+        self._log("current_context")
+        return self.current
+
+    def context_device(self) -> int:
+        self._log("context_device")
+        return (self.current - 0xC0) if self.current else -1
+
+    def primary_context(self, device: int) -> int:
+        self._log("primary_context", device)
+        return 0xC0 + device
+
+    def set_current(self, ctx: int) -> None:
+        self._log("set_current", ctx)
+        self.current = ctx
+
+    def push(self, ctx: int) -> None:
+        self._log("push", ctx)
+        self.stack.append(self.current)
+        self.current = ctx
+
+    def pop(self) -> None:
+        self._log("pop")
+        self.current = self.stack.pop()
+
+    def event_create(self) -> int:
+        self._next_event += 1
+        self._log("event_create", self._next_event)
+        return self._next_event
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._log("event_record", event, stream)
+        self.pending[event] = self.polls
+
+    def event_query(self, event: int) -> bool:
+        left = self.pending.get(event, 0)
+        self._log("event_query", event, left == 0)
+        if left:
+            self.pending[event] = left - 1
+            return False
+        return True
+
+    def event_synchronize(self, event: int) -> None:
+        self._log("event_synchronize", event)
+        self.pending[event] = 0
+
+    def event_destroy(self, event: int) -> None:
+        self._log("event_destroy", event)
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        # The fake "device" memory is host memory: a plain copy.
+        self._log("memcpy", dst, src, nbytes)
+        ctypes.memmove(dst, src, nbytes)

@@ -266,6 +266,17 @@ def test_cuda_without_gpu_one_line_exit_2(memory):
     one_line_error(gpucx("bench", "-m", memory, timeout=60), "--memory cuda")
 
 
+@pytest.mark.skipif(_cuda_usable(), reason="this host has a usable GPU")
+@pytest.mark.parametrize("extra", [[], ["--vs-perftest"]], ids=["gpucx", "perftest"])
+def test_cuda_without_gpu_says_what_is_missing(extra):
+    one_line_error(
+        gpucx("bench", "-m", "cuda", *extra, timeout=60),
+        "gpucx.UnsupportedError",
+        "cuda_copy",
+        "UCX_TLS",
+    )
+
+
 @pytest.mark.cuda
 def test_cuda_memory_run(tmp_path):
     out = tmp_path / "bench.json"
@@ -338,7 +349,13 @@ def test_info_json():
     assert "HOST" in info["memory_types"]
     assert "tcp" in info["transports"] and "self" in info["transports"]
     assert os.path.isdir(info["ucx_library_dir"])
-    assert set(info["cuda"]) == {"driver", "transports", "can_move_cuda_memory"}
+    assert set(info["cuda"]) == {
+        "driver",
+        "transports",
+        "can_move_cuda_memory",
+        "problem",
+    }
+    assert (info["cuda"]["problem"] is None) == info["cuda"]["can_move_cuda_memory"]
     assert info["ucx_info_error"] is None
 
 

@@ -83,6 +83,7 @@ def collect() -> dict:
         error = str(exc)
     with gpucx.Context() as ctx:
         memory_types = sorted(m.name for m in ctx.memory_types)
+        problem = ctx.cuda_problem
     transports = sorted({t for d in domains for t, _ in d["transports"]})
     cuda_tls = [t for t in transports if t.startswith(("cuda", "gdr"))]
     driver = _cuda_driver()
@@ -98,8 +99,9 @@ def collect() -> dict:
             "driver": driver,
             "transports": cuda_tls,
             "can_move_cuda_memory": bool(
-                driver and cuda_tls and "CUDA" in memory_types
+                driver and cuda_tls and "CUDA" in memory_types and problem is None
             ),
+            "problem": problem,
         },
         "ucx_info_error": error,
     }
@@ -127,6 +129,8 @@ def format_info(info: dict) -> str:
         if "CUDA" not in info["memory_types"]:
             why.append("UCX context has no CUDA memory type")
         lines.append(f"CUDA         no ({'; '.join(why)})")
+        if cuda.get("problem"):
+            lines.append(f"  why: {cuda['problem']}")
     lines.append("transports   (transport/device, memory domain)")
     for d in info["domains"]:
         for t, dev in d["transports"]:

@@ -35,7 +35,13 @@ def parse_memory(text: str) -> tuple[str, str]:
 
 
 def cuda_problem(device: int = 0) -> str | None:
-    """Why CUDA buffers cannot be made here, or None when they can."""
+    """Why CUDA buffers cannot be made or moved here, or None when they can."""
+    import gpucx
+
+    with gpucx.Context() as ctx:
+        problem = ctx.cuda_problem
+    if problem is not None:
+        return f"--memory cuda: gpucx.UnsupportedError: {problem}"
     try:
         import cupy
     except Exception:

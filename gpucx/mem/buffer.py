@@ -31,7 +31,7 @@ import numpy
 from .._lib import ffi
 from ..errors import UnsupportedError
 from . import _bufproto, _cai, _dlpack
-from .memtype import MemoryType
+from .memtype import CUDA_TYPES, MemoryType
 
 __all__ = ["Buffer", "as_buffer", "acquire", "set_stream_sync_hook"]
 
@@ -131,10 +131,20 @@ StreamSyncHook = Callable[[int, Buffer], None]
 def _no_stream_sync(stream: int, buf: Buffer) -> None:
     if buf.memory_type is MemoryType.HOST:
         return
+    if buf.memory_type in CUDA_TYPES:
+        # The CUDA layer loads the driver on first use; with one it waits.
+        from . import cuda
+
+        if cuda.driver() is not None:
+            cuda.sync_stream(stream, buf)
+            return
+        why = f": {cuda.driver_problem()}"
+    else:
+        why = ""
     raise UnsupportedError(
         f"{buf.protocol}: {buf.memory_type.name} memory is ordered on stream "
-        f"{stream:#x}, but no CUDA runtime layer is loaded to synchronize it "
-        "(import gpucx.mem.cuda with a CUDA runtime available)"
+        f"{stream:#x}, but no CUDA runtime layer is loaded to synchronize it"
+        f"{why}"
     )
 
 
@@ -147,9 +157,10 @@ def set_stream_sync_hook(fn: StreamSyncHook | None) -> StreamSyncHook:
     :func:`as_buffer` calls ``fn(stream_handle, buffer)`` before it returns
     a buffer that carries a stream (a CAI v3 ``stream``, or the DLPack
     consumer stream).  ``fn`` must return only when work queued on that
-    stream before the call has finished, or raise.  The CUDA layer installs
-    the real hook; the default one raises :class:`~gpucx.UnsupportedError`
-    for device memory.
+    stream before the call has finished, or raise.  The default hook hands
+    CUDA memory to :func:`gpucx.mem.cuda.sync_stream` when a CUDA driver
+    loads, and raises :class:`~gpucx.UnsupportedError` for device memory
+    otherwise.
 
     Parameters
     ----------
@@ -255,8 +266,9 @@ def acquire(
         As for :func:`as_buffer`.
     writable : bool
         ``True`` when the memory is a receive target.
-    stream : int or None, optional
-        As for :func:`as_buffer`.
+    stream : object, optional
+        As for :func:`as_buffer`, or any stream object
+        :func:`gpucx.mem.cuda.as_stream` accepts.
 
     Returns
     -------
@@ -289,5 +301,9 @@ def acquire(
         else:
             # The cdata holds the buffer export, so it keeps obj alive.
             return cdata, len(cdata), _HOST, cdata
+    if stream is not None:
+        from .cuda import as_stream
+
+        stream = as_stream(stream)
     buf = as_buffer(obj, writable, stream=stream)
     return _cast(_VOID_P, buf.ptr), buf.nbytes, int(buf.memory_type), buf.owner

@@ -13,7 +13,8 @@ import numpy
 
 from .._handle import Handle, raise_closed
 from .._lib import ffi, lib
-from ..errors import check
+from ..errors import UnsupportedError, check
+from . import cuda as _cuda
 from .buffer import as_buffer
 from .memtype import CUDA_TYPES, MemoryType
 from .remote import RemoteMemory
@@ -220,6 +221,9 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         If ``obj`` is not contiguous, or read-only with ``writable=True``.
     ValueError
         If ``obj`` has no bytes.
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it (the message names
+        what is missing; see :attr:`Context.cuda_problem`).
     gpucx.UCXError
         If UCX cannot map it (``UnsupportedError`` for a memory type no
         transport of this context handles).
@@ -231,9 +235,18 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
         raise ValueError("cannot register an empty buffer (0 bytes)")
-    memh, _addr, _len, _mt = _map(
-        ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
-    )
+    pushed = False
+    if buf.memory_type in CUDA_TYPES:
+        # UCX registers device memory in the current context: make the
+        # owner of the pointer current.
+        _cuda.check(ctx, "register")
+        pushed = _cuda.enter(buf.ptr)
+    try:
+        memh, _addr, _len, _mt = _map(
+            ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
+        )
+    finally:
+        _cuda.leave(pushed)
     region = MemoryRegion(
         ctx, buf.ptr, buf.nbytes, buf.memory_type, not writable, buf.owner, False
     )
@@ -242,16 +255,43 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
 
 
 def allocate(
-    ctx, nbytes: int, memory_type: MemoryType = MemoryType.HOST
+    ctx,
+    nbytes: int,
+    memory_type: MemoryType = MemoryType.HOST,
+    *,
+    device: int | None = None,
+    allocator=None,
 ) -> MemoryRegion:
-    """Let UCX allocate and map ``nbytes`` (``UCP_MEM_MAP_ALLOCATE``).
+    """Allocate ``nbytes`` of ``memory_type`` and map them for remote access.
+
+    Host memory is allocated by UCX (``UCP_MEM_MAP_ALLOCATE``).  CUDA memory
+    (``CUDA`` or ``CUDA_MANAGED``) is allocated on ``device`` by CuPy, or by
+    ``allocator``, and registered; the region holds the allocation.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes (positive).
+    memory_type : MemoryType
+        Where to allocate.
+    device : int or None
+        CUDA device ordinal; None: the current device (CuPy's current
+        device or the calling thread's context; see
+        :func:`gpucx.mem.cuda.current_device`).  Only for CUDA memory.
+    allocator : callable or None
+        ``allocator(nbytes, memory_type) -> buffer`` called with ``device``
+        current, instead of CuPy; used for CUDA memory only.
 
     Raises
     ------
     ValueError
-        If ``nbytes`` is not positive.
+        If ``nbytes`` is not positive, or ``device``/``allocator`` is given
+        for host memory.
     TypeError
         If ``nbytes`` is not an int.
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it (naming what is
+        missing), or without CuPy and without ``allocator``.
     gpucx.UCXError
         If UCX cannot allocate that memory type here.
     gpucx.ClosedError
@@ -264,6 +304,12 @@ def allocate(
     if nbytes <= 0:
         raise ValueError(f"nbytes must be positive, not {nbytes}")
     mt = MemoryType(memory_type)
+    if mt in CUDA_TYPES:
+        return _allocate_cuda(ctx, nbytes, mt, device, allocator)
+    if device is not None or allocator is not None:
+        raise ValueError(
+            f"device= and allocator= apply to CUDA memory, not {mt.name} memory"
+        )
     memh, addr, _length, got = _map(ctx, ffi.NULL, nbytes, int(mt), True)
     try:
         got_mt = MemoryType(got)
@@ -271,4 +317,38 @@ def allocate(
         got_mt = mt
     region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
     region._h = memh
+    return region
+
+
+def _cupy_allocator(nbytes: int, memory_type: int, device: int):
+    try:
+        import cupy
+    except ImportError:
+        raise UnsupportedError(
+            "allocating CUDA memory needs CuPy (pip install 'gpucx[cuda12]') "
+            "or an allocator="
+        ) from None
+    with cupy.cuda.Device(device):
+        if memory_type == int(MemoryType.CUDA_MANAGED):
+            mem = cupy.cuda.malloc_managed(nbytes)
+            return cupy.ndarray((nbytes,), cupy.uint8, mem)
+        return cupy.empty(nbytes, cupy.uint8)
+
+
+def _allocate_cuda(ctx, nbytes, mt, device, allocator) -> MemoryRegion:
+    _cuda.check(ctx, "allocate")
+    if device is None:
+        device = _cuda.current_device()
+    with _cuda.on_device(device):
+        if allocator is None:
+            obj = _cupy_allocator(nbytes, int(mt), device)
+        else:
+            obj = allocator(nbytes, int(mt))
+    buf = as_buffer(obj, True)
+    if buf.nbytes < nbytes:
+        raise ValueError(
+            f"allocator returned {buf.nbytes} bytes; {nbytes} were asked for"
+        )
+    region = register(ctx, obj)
+    region._alloc = True
     return region

@@ -34,10 +34,10 @@ import time
 import weakref
 import zlib
 
-from .._handle import Handle, raise_closed
+from .._handle import Handle, raise_closed, time_left
 from .._lib import ffi, lib
 from ..errors import check
-from ..request import _DRAIN_S, INPROGRESS
+from ..request import INPROGRESS
 from .memtype import MemoryType
 
 __all__ = ["RemoteMemory", "RemoteKey", "MAGIC", "FORMAT_VERSION"]
@@ -321,9 +321,15 @@ class RemoteKey(Handle):
 
     def _release(self) -> None:
         pending = [r for r in self._ops if r._slot.status == INPROGRESS]
-        w = self.endpoint._w
+        ep = self.endpoint
+        w = ep._w
         if pending and w._h is not None:
-            end = time.monotonic() + _DRAIN_S
+            if ep._closing:
+                # The endpoint is closing: it completes or cancels these
+                # operations first, then destroys the key.
+                ep._late_rkeys.append(self._h)
+                return
+            end = time.monotonic() + time_left(self._deadline)
             while time.monotonic() < end and any(
                 r._slot.status == INPROGRESS for r in pending
             ):

@@ -36,6 +36,7 @@ import weakref
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import MessageTruncatedError, UnsupportedError, check
+from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..request import SPIN_NS, Request, finish, new_slot
 
@@ -62,6 +63,9 @@ _RNDV = lib.GPUCX_AM_FLAG_RNDV
 _SEND = "am send"
 _RECV = "am receive"
 _HOST = int(lib.UCS_MEMORY_TYPE_HOST)
+_CUDA_TYPES = frozenset(
+    {int(lib.UCS_MEMORY_TYPE_CUDA), int(lib.UCS_MEMORY_TYPE_CUDA_MANAGED)}
+)
 
 
 # -- worker integration (called by Worker) -----------------------------------
@@ -277,11 +281,13 @@ class AmMessage:
             )
         return memoryview(ffi.buffer(desc, self.nbytes)).toreadonly()
 
-    def receive_into(self, buf) -> Request:
+    def receive_into(self, buf, *, stream=None) -> Request:
         """Receive the payload into ``buf``.
 
         A rendezvous payload moves straight from the sender into ``buf``
         (``ucp_am_recv_data_nbx``, zero copy); an eager payload is copied.
+        ``stream`` (a CUDA stream object or raw handle): the receive starts
+        only once the work queued on it before the call finished.
 
         Returns
         -------
@@ -297,7 +303,8 @@ class AmMessage:
         BufferError
             If ``buf`` is read-only or not contiguous.
         gpucx.UnsupportedError
-            For an eager payload into non-host memory.
+            For an eager payload into memory other than host or CUDA, or CUDA
+            memory on a context that cannot move it.
         gpucx.ClosedError
             If the worker is closed.
         """
@@ -306,7 +313,7 @@ class AmMessage:
             raise_closed(w)
         if self._taken:
             raise RuntimeError("the payload of this message was already received")
-        ptr, n, mt, keep = acquire(buf, True)
+        ptr, n, mt, keep = acquire(buf, True, stream)
         if n < self.nbytes:
             exc = MessageTruncatedError(
                 f"{_RECV}: message truncated: the receive buffer holds {n} bytes, "
@@ -318,19 +325,30 @@ class AmMessage:
             raise exc
         slot = new_slot()
         if self.is_rndv:
+            cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+                w, ptr, mt, stream, _RECV
+            )
             self._taken = True
             # The descriptor now belongs to the receive: release only the
             # header when the message is collected.
             desc = self._rec.data
             self._rec.data = ffi.NULL
             lib.gpucx_am_recv_data(w._h, desc, ptr, self.nbytes, mt, slot)
+            if cu:
+                _cuda.leave(cu)
             return Request(w, slot, keep, _RECV, _nbytes, None, n)
-        if mt != _HOST and self.nbytes:
+        if mt == _HOST or not self.nbytes:
+            if stream is not None:
+                _cuda.prepare(w, ptr, mt, stream, _RECV)
+            ffi.memmove(ptr, self._rec.data, self.nbytes)
+        elif mt in _CUDA_TYPES:
+            # UCX delivered the eager payload to host memory: copy it in.
+            _cuda.copy_in(w, ptr, mt, self._rec.data, self.nbytes, stream, _RECV)
+        else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "
-                "host memory (send with proto='rndv' for device buffers)"
+                "host or CUDA memory (send with proto='rndv' for device buffers)"
             )
-        ffi.memmove(ptr, self._rec.data, self.nbytes)
         self._drop()
         slot.status = lib.UCS_OK
         slot.length = self.nbytes
@@ -471,7 +489,9 @@ def _flags(reply, proto) -> int:
     return flags | _REPLY if reply else flags
 
 
-def am_send(ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None):
+def am_send(
+    ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None, stream=None
+):
     """Send ``buf`` as an active message to handler ``am_id`` of the peer;
     return once ``buf`` is reusable.
 
@@ -487,11 +507,17 @@ def am_send(ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None)
         Give the receiver a :attr:`AmMessage.reply_ep` back to this worker.
     proto : None, "eager" or "rndv"
         Force a protocol; None lets UCX choose by size.
+    stream : stream object or int, optional
+        A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the send is
+        posted only once the work queued on it before the call finished.
 
     Raises
     ------
     ValueError
         For a bad id, an unknown ``proto`` or an oversized header.
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it, or a ``stream``
+        without a CUDA driver.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -505,20 +531,26 @@ def am_send(ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None)
     _check_id(am_id)
     flags = _flags(reply, proto)
     hdr, hn = _header(ep, header)
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
     w = ep._w
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        w, ptr, mt, stream, _SEND
+    )
     slot = new_slot() if w._multi else w._sslot
     st = lib.gpucx_am_send_wait(
         w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, SPIN_NS
     )
+    if cu:
+        _cuda.leave(cu)
     if st:
         finish(w, slot, st, None, _SEND, ep, keep)
 
 
 def am_send_nb(
-    ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None
+    ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None, stream=None
 ) -> Request:
-    """Start sending an active message (see :func:`am_send`).
+    """Start sending an active message (see :func:`am_send`, also for
+    ``stream``).
 
     Returns
     -------
@@ -540,12 +572,17 @@ def am_send_nb(
     if type(am_id) is not int or not 0 <= am_id <= MAX_USER_AM_ID:
         _check_id(am_id)
     flags = (_REPLY if reply else 0) if proto is None else _flags(reply, proto)
-    return _send_nb(ep, am_id, buf, header, flags)
+    return _send_nb(ep, am_id, buf, header, flags, stream)
 
 
-def _send_nb(ep, am_id, buf, header, flags) -> Request:
+def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
     hdr, hn = _header(ep, header)
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _SEND
+    )
     slot = new_slot()
     lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+    if cu:
+        _cuda.leave(cu)
     return Request(ep._w, slot, keep, _SEND, None, ep)

@@ -31,6 +31,7 @@ from collections import deque
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError
+from ..mem import cuda as _cuda
 from ..mem.buffer import as_buffer
 from ..mem.memtype import MemoryType
 from ..request import slice_ms
@@ -187,7 +188,7 @@ def _prepare(ep, arr):
     return obj, _pack(typestr, shape, int(buf.memory_type))
 
 
-def send_array(ep, arr, *, proto=None) -> None:
+def send_array(ep, arr, *, proto=None, stream=None) -> None:
     """Send an array (dtype, shape and data) to the peer's ``recv_array``.
 
     Parameters
@@ -198,11 +199,17 @@ def send_array(ep, arr, *, proto=None) -> None:
         as a C-contiguous copy; a non-contiguous device array is rejected.
     proto : None, "eager" or "rndv"
         Force a protocol (None: UCX chooses by size).
+    stream : stream object or int, optional
+        A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the send is
+        posted only once the work queued on it before the call finished.
 
     Raises
     ------
     ValueError
         For a non-contiguous device array or more than 64 dimensions.
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it, or a ``stream``
+        without a CUDA driver.
     TypeError
         For object or structured dtypes.
     gpucx.PeerError
@@ -211,10 +218,11 @@ def send_array(ep, arr, *, proto=None) -> None:
         If the endpoint is closed.
     """
     obj, header = _prepare(ep, arr)
-    _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, _am._flags(True, proto)).wait()
+    flags = _am._flags(True, proto)
+    _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream).wait()
 
 
-def send_array_nb(ep, arr, *, proto=None):
+def send_array_nb(ep, arr, *, proto=None, stream=None):
     """Start :meth:`send_array`; returns a :class:`~gpucx.Request`.
 
     Raises
@@ -223,7 +231,8 @@ def send_array_nb(ep, arr, *, proto=None):
         As for :func:`send_array`.
     """
     obj, header = _prepare(ep, arr)
-    return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, _am._flags(True, proto))
+    flags = _am._flags(True, proto)
+    return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream)
 
 
 def _on_array(msg) -> None:
@@ -243,7 +252,7 @@ def _on_array(msg) -> None:
     q.setdefault(key, deque()).append(msg)
 
 
-def _default_allocator(nbytes: int, memory_type: int):
+def _default_allocator(nbytes: int, memory_type: int, device: int | None = None):
     if memory_type == _HOST:
         import numpy as np
 
@@ -257,7 +266,11 @@ def _default_allocator(nbytes: int, memory_type: int):
                 "installed (install cupy or pass allocator=)"
             ) from None
         try:
-            return cupy.empty(nbytes, cupy.uint8)
+            with cupy.cuda.Device(device):
+                if memory_type == int(MemoryType.CUDA_MANAGED):
+                    mem = cupy.cuda.malloc_managed(max(nbytes, 1))
+                    return cupy.ndarray((nbytes,), cupy.uint8, mem)
+                return cupy.empty(nbytes, cupy.uint8)
         except Exception as exc:
             raise UnsupportedError(
                 f"recv_array: cannot allocate CUDA memory here ({exc}); pass allocator="
@@ -283,7 +296,26 @@ def _as_array(raw, typestr, shape, memory_type, nbytes):
     return flat.view(np.dtype(typestr)).reshape(shape)
 
 
-def recv_array(ep, timeout: float | None = None, allocator=None):
+def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
+    if allocator is None:
+        return _default_allocator(nbytes, memory_type, device)
+    if device is not None and memory_type in _CUDA_INTS:
+        with _cuda.on_device(device):
+            return allocator(nbytes, memory_type)
+    return allocator(nbytes, memory_type)
+
+
+_CUDA_INTS = frozenset({int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)})
+
+
+def recv_array(
+    ep,
+    timeout: float | None = None,
+    allocator=None,
+    *,
+    device: int | None = None,
+    stream=None,
+):
     """Receive the next array the peer of ``ep`` sent with ``send_array``.
 
     Parameters
@@ -293,7 +325,16 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
     allocator : callable or None
         ``allocator(nbytes, memory_type) -> buffer`` of at least ``nbytes``
         writable bytes; the default gives NumPy for host data and CuPy for
-        CUDA data.
+        CUDA data.  It may return host memory for CUDA data (and the
+        reverse): the array then lives where the allocator put it.
+    device : int or None
+        CUDA device for CUDA data: the default allocator allocates there and
+        a custom one is called with that device current.  None: the current
+        device (CuPy's current device, or the calling thread's context).
+    stream : stream object or int, optional
+        A CUDA stream: the receive is posted only once the work queued on it
+        before the call finished; when the call returns the data is in
+        memory, visible to kernels launched afterwards on any stream.
 
     Returns
     -------
@@ -305,8 +346,9 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
     gpucx.TimeoutError
         When no array arrived within ``timeout`` (nothing is lost).
     gpucx.UnsupportedError
-        CUDA data without CuPy/GPU here (the array stays queued: retry with
-        ``allocator=``).
+        CUDA data without CuPy/GPU here, or an allocator that returned CUDA
+        memory on a context that cannot move it (the array stays queued:
+        retry with another ``allocator=``).
     ValueError
         A malformed array header (the message is dropped).
     gpucx.ClosedError
@@ -344,12 +386,14 @@ def recv_array(ep, timeout: float | None = None, allocator=None):
         if not pending:
             del q[key]
         raise ValueError(f"recv_array: malformed array message: {exc}") from None
-    raw = (allocator or _default_allocator)(nbytes, memtype)
-    out = _as_array(raw, dtype, shape, memtype, nbytes)
+    raw = _allocate(allocator, nbytes, memtype, device)
+    # Posting first: a receive that cannot start leaves the message queued.
+    req = msg.receive_into(raw, stream=stream)
     pending.popleft()
     if not pending:
         del q[key]
+    out = _as_array(raw, dtype, shape, memtype, nbytes)
     # The array is here: give its transfer at least a second.
     rest = None if deadline is None else max(1.0, deadline - time.monotonic())
-    msg.receive_into(raw).wait(rest)
+    req.wait(rest)
     return out

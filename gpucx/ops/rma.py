@@ -25,7 +25,9 @@ import time
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError
+from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import CUDA_TYPES
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     SPIN_NS,
@@ -34,6 +36,8 @@ from ..request import (
     new_slot,
     raise_status,
 )
+
+_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = [
     "unpack",
@@ -82,7 +86,17 @@ def unpack(ep, remote) -> RemoteKey:
     """
     if ep._h is None:
         raise_closed(ep)
-    return RemoteKey(ep, as_remote(remote))
+    rem = as_remote(remote)
+    # Unpacking a CUDA key may open a CUDA IPC handle, in the current
+    # context: have one current (the thread's device; a progress thread may
+    # have none).  Without a local driver the key can still serve RDMA.
+    pushed = False
+    if rem.memory_type in CUDA_TYPES and _cuda.driver() is not None:
+        pushed = _cuda.enter(0, _cuda.current_device())
+    try:
+        return RemoteKey(ep, rem)
+    finally:
+        _cuda.leave(pushed)
 
 
 def _key(rkey) -> RemoteKey:
@@ -97,7 +111,9 @@ def _sync_slot(w):
     return new_slot() if w._multi else w._sslot
 
 
-def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
+def put(
+    ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None, stream=None
+) -> None:
     """Write ``buf`` into the remote region at byte ``offset``; return once
     ``buf`` may be reused (local completion, see the module doc).
 
@@ -114,9 +130,16 @@ def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
         active message the owner reads with :meth:`Worker.notifications`).
     timeout : float, optional
         Seconds to wait at most.
+    stream : stream object or int, optional
+        A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the put is
+        posted only once the work queued on it before the call finished.
+        The same holds for ``stream=`` of :func:`get` and the ``_nb`` forms.
 
     Raises
     ------
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it, or a ``stream``
+        without a CUDA driver.
     ValueError
         If ``offset``/``nbytes`` fall outside the remote region (naming
         them), the key belongs to another endpoint, the region is
@@ -133,21 +156,26 @@ def put(ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None) -> None:
         If the endpoint or the key is closed.
     """
     if notify is not None:
-        put_nb(ep, buf, rkey, offset, notify=notify).wait(timeout)
+        put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
         return
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _PUT
+    )
     w = ep._w
     slot = _sync_slot(w)
     st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    if cu:
+        _cuda.leave(cu)
     if st:
         finish(w, slot, st, timeout, _PUT, ep, (keep, rkey))
 
 
-def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
+def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
     """Start a put (see :func:`put`).
 
     Returns
@@ -164,14 +192,10 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
     w = ep._w
-    if notify is None:
-        slot = new_slot()
-        lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        req = Request(w, slot, (keep, rkey), _PUT, None, ep)
-    else:
+    if notify is not None:
         note = bytes(memoryview(notify).cast("B"))
         if len(note) > NOTIFY_MAX:
             raise ValueError(
@@ -181,15 +205,23 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None) -> Request:
             raise UnsupportedError(
                 "put with notify needs the 'am' feature in the Context"
             )
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(w, ptr, mt, stream, _PUT)
+    if notify is None:
+        slot = new_slot()
+        lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
+        req = Request(w, slot, (keep, rkey), _PUT, None, ep)
+    else:
         op = ffi.new("gpucx_notify_op_t *")
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
         slot = ffi.addressof(op, "slot")
         req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
+    if cu:
+        _cuda.leave(cu)
     rkey._ops.add(req)
     return req
 
 
-def get(ep, buf, rkey, offset: int = 0, *, timeout=None) -> None:
+def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     """Read ``len(buf)`` bytes of the remote region at ``offset`` into
     ``buf``; return when they are there.
 
@@ -212,16 +244,21 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None) -> None:
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True)
+    ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _GET
+    )
     w = ep._w
     slot = _sync_slot(w)
     st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    if cu:
+        _cuda.leave(cu)
     if st:
         finish(w, slot, st, timeout, _GET, ep, (keep, rkey))
 
 
-def get_nb(ep, buf, rkey, offset: int = 0) -> Request:
+def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     """Start a get (see :func:`get`).
 
     Returns
@@ -237,10 +274,15 @@ def get_nb(ep, buf, rkey, offset: int = 0) -> Request:
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True)
+    ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _GET
+    )
     slot = new_slot()
     lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
+    if cu:
+        _cuda.leave(cu)
     req = Request(ep._w, slot, (keep, rkey), _GET, None, ep)
     rkey._ops.add(req)
     return req

@@ -10,6 +10,7 @@ from __future__ import annotations
 from .._handle import raise_closed
 from .._lib import lib
 from ..errors import UnsupportedError
+from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..request import (
     INPROGRESS,
@@ -20,6 +21,8 @@ from ..request import (
     new_slot,
     raise_status,
 )
+
+_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
 
@@ -39,8 +42,11 @@ def _no_stream(ep):
     )
 
 
-def stream_send(ep, buf) -> None:
+def stream_send(ep, buf, *, stream=None) -> None:
     """Append ``buf`` to the endpoint's stream; return once it is reusable.
+
+    ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
+    whose queued work must finish before the operation is posted.
 
     Raises
     ------
@@ -59,15 +65,23 @@ def stream_send(ep, buf) -> None:
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
     w = ep._w
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        w, ptr, mt, stream, _SEND
+    )
     slot = _sync_slot(w)
     st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+    if cu:
+        _cuda.leave(cu)
     if st:
         finish(w, slot, st, None, _SEND, ep, keep)
 
 
-def stream_send_nb(ep, buf) -> Request:
+def stream_send_nb(ep, buf, *, stream=None) -> Request:
     """Start appending ``buf`` to the endpoint's stream.
+
+    ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
+    whose queued work must finish before the operation is posted.
 
     Returns
     -------
@@ -88,9 +102,14 @@ def stream_send_nb(ep, buf) -> Request:
         raise_closed(ep)
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
-    ptr, n, mt, keep = acquire(buf, False)
+    ptr, n, mt, keep = acquire(buf, False, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _SEND
+    )
     slot = new_slot()
     lib.gpucx_stream_send(h, ptr, n, mt, slot)
+    if cu:
+        _cuda.leave(cu)
     return Request(ep._w, slot, keep, _SEND, None, ep)
 
 
@@ -98,8 +117,11 @@ def _length(req) -> int:
     return req._slot.length
 
 
-def stream_recv(ep, buf, timeout: float | None = None) -> int:
+def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
     """Fill all of ``buf`` from the endpoint's stream; return its size.
+
+    ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
+    whose queued work must finish before the operation is posted.
 
     Raises
     ------
@@ -121,22 +143,29 @@ def stream_recv(ep, buf, timeout: float | None = None) -> int:
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
     w = ep._w
-    ptr, n, mt, keep = acquire(buf, True)
+    ptr, n, mt, keep = acquire(buf, True, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        w, ptr, mt, stream, _RECV
+    )
     slot = _sync_slot(w)
     if timeout is None:
         st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
     else:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
+    if st == INPROGRESS:
+        st = block(w, slot, timeout, keep)
+    if cu:
+        _cuda.leave(cu)
     if st:
-        if st == INPROGRESS:
-            st = block(w, slot, timeout, keep)
-        if st:
-            raise_status(st, _RECV, ep, slot, n)
+        raise_status(st, _RECV, ep, slot, n)
     return slot.length
 
 
-def stream_recv_nb(ep, buf) -> Request:
+def stream_recv_nb(ep, buf, *, stream=None) -> Request:
     """Start filling all of ``buf`` from the endpoint's stream.
+
+    ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
+    whose queued work must finish before the operation is posted.
 
     Returns
     -------
@@ -157,7 +186,12 @@ def stream_recv_nb(ep, buf) -> Request:
         raise_closed(ep)
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
-    ptr, n, mt, keep = acquire(buf, True)
+    ptr, n, mt, keep = acquire(buf, True, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        ep._w, ptr, mt, stream, _RECV
+    )
     slot = new_slot()
     lib.gpucx_stream_recv(h, ptr, n, mt, slot)
+    if cu:
+        _cuda.leave(cu)
     return Request(ep._w, slot, keep, _RECV, _length, ep, n)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
+from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
 from ..mem.memtype import MemoryType
@@ -45,7 +46,7 @@ def _bad_tag(tag, tag_mask=0) -> ValueError | TypeError:
     return ValueError("bad tag")  # pragma: no cover
 
 
-def _iov(bufs, writable: bool):
+def _iov(bufs, writable: bool, stream=None):
     """Acquire each buffer of a list; build the UCX IOV array."""
     n = len(bufs)
     if n == 0:
@@ -54,7 +55,7 @@ def _iov(bufs, writable: bool):
     keep = [iov]
     memtype = None
     for i, b in enumerate(bufs):
-        ptr, nbytes, mt, k = acquire(b, writable)
+        ptr, nbytes, mt, k = acquire(b, writable, stream)
         if memtype is None:
             memtype = mt
         elif mt != memtype:
@@ -74,11 +75,13 @@ _CHAR_ARRAY = ffi.typeof("char[]")
 _HOST = int(MemoryType.HOST)
 
 
-def send(ep, buf, tag: int = 0) -> None:
+def send(ep, buf, tag: int = 0, *, stream=None) -> None:
     """Send ``buf`` to the peer with ``tag``; return once ``buf`` is reusable.
 
     ``buf`` is any object :func:`gpucx.mem.as_buffer` accepts, or a list of
-    them sent as one message.
+    them sent as one message.  ``stream`` (a CuPy/Numba/PyTorch stream or a
+    raw handle): the send is posted only once the work queued on it before
+    the call has finished (the worker progresses meanwhile).
 
     Raises
     ------
@@ -90,6 +93,9 @@ def send(ep, buf, tag: int = 0) -> None:
         For memory gpucx cannot send (non-contiguous...).
     ValueError
         For a tag outside [0, 2**64).
+    gpucx.UnsupportedError
+        For CUDA memory on a context that cannot move it (see
+        :attr:`Context.cuda_problem`), or a ``stream`` without a CUDA driver.
     """
     h = ep._h
     if h is None:
@@ -105,24 +111,31 @@ def send(ep, buf, tag: int = 0) -> None:
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, False)
     elif type(buf) is list or type(buf) is tuple:
-        send_nb(ep, buf, tag).wait()
+        send_nb(ep, buf, tag, stream=stream).wait()
         return
     else:
-        ptr, n, mt, keep = acquire(buf, False)
+        ptr, n, mt, keep = acquire(buf, False, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        w, ptr, mt, stream, _SEND
+    )
     slot = new_slot() if w._multi else w._sslot
     try:
         st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, SPIN_NS)
     except (OverflowError, TypeError):
         raise _bad_tag(tag) from None
+    finally:
+        if cu:
+            _cuda.leave(cu)
     if st:
         finish(w, slot, st, None, _SEND, ep, keep)
 
 
-def send_nb(ep, buf, tag: int = 0, sync: bool = False) -> Request:
+def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Request:
     """Start sending ``buf`` (or a list of buffers as one message).
 
     With ``sync=True`` the request completes only once the receiver matched
-    the message (``ucp_tag_send_sync_nbx``).
+    the message (``ucp_tag_send_sync_nbx``).  ``stream``: as for
+    :func:`send` (waited for before the send is posted).
 
     Returns
     -------
@@ -137,22 +150,32 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False) -> Request:
         For memory gpucx cannot send.
     ValueError
         For a tag outside [0, 2**64) or an empty list.
+    gpucx.UnsupportedError
+        As for :func:`send`.
     """
     h = ep._h
     if h is None:
         raise_closed(ep)
     slot = new_slot()
+    cu = False
     try:
         if type(buf) is list or type(buf) is tuple:
-            iov, count, mt, keep, _ = _iov(buf, False)
+            iov, count, mt, keep, _ = _iov(buf, False, stream)
+            if mt != _HOST or stream is not None:
+                cu = _cuda.prepare(ep._w, iov[0].buffer, mt, stream, _SEND)
             st = lib.gpucx_tag_send_iov(h, iov, count, tag, mt, 1 if sync else 0, slot)
         else:
-            ptr, n, mt, keep = acquire(buf, False)
+            ptr, n, mt, keep = acquire(buf, False, stream)
+            if mt != _HOST or stream is not None:
+                cu = _cuda.prepare(ep._w, ptr, mt, stream, _SEND)
             st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
     except (OverflowError, TypeError) as exc:
         if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
             raise exc
         raise _bad_tag(tag) from None
+    finally:
+        if cu:
+            _cuda.leave(cu)
     del st
     return Request(ep._w, slot, keep, _SEND, None, ep)
 
@@ -168,8 +191,16 @@ def recv(
     tag: int = 0,
     tag_mask: int = TAG_MASK_FULL,
     timeout: float | None = None,
+    *,
+    stream=None,
 ) -> RecvInfo:
     """Receive one message whose tag matches ``tag`` under ``tag_mask``.
+
+    ``stream`` (a CuPy/Numba/PyTorch stream or a raw handle): the receive is
+    posted only once the work queued on it before the call has finished, so
+    kernels still reading ``buf`` are not overwritten.  When the call
+    returns the data is in device memory (UCX completes a CUDA transfer only
+    after its copies finished), visible to kernels launched afterwards.
 
     Returns
     -------
@@ -186,6 +217,8 @@ def recv(
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
         If the worker is closed.
+    gpucx.UnsupportedError
+        As for :func:`send`.
     """
     h = worker._h
     if h is None:
@@ -197,9 +230,12 @@ def recv(
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, True)
     elif type(buf) is list or type(buf) is tuple:
-        return recv_nb(worker, buf, tag, tag_mask).wait(timeout)
+        return recv_nb(worker, buf, tag, tag_mask, stream=stream).wait(timeout)
     else:
-        ptr, n, mt, keep = acquire(buf, True)
+        ptr, n, mt, keep = acquire(buf, True, stream)
+    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+        worker, ptr, mt, stream, _RECV
+    )
     slot = new_slot() if worker._multi else worker._sslot
     try:
         if timeout is None:
@@ -208,6 +244,9 @@ def recv(
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError):
         raise _bad_tag(tag, tag_mask) from None
+    finally:
+        if cu:
+            _cuda.leave(cu)
     if st:
         if st == INPROGRESS:
             st = block(worker, slot, timeout, keep)
@@ -216,8 +255,12 @@ def recv(
     return _tuple_new(RecvInfo, (slot.tag, slot.length))
 
 
-def recv_nb(worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL) -> Request:
+def recv_nb(
+    worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL, *, stream=None
+) -> Request:
     """Start a tag receive into ``buf`` (or a list of buffers).
+
+    ``stream``: as for :func:`recv` (waited for before the receive is posted).
 
     Returns
     -------
@@ -230,22 +273,32 @@ def recv_nb(worker, buf, tag: int = 0, tag_mask: int = TAG_MASK_FULL) -> Request
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
         If the worker is closed.
+    gpucx.UnsupportedError
+        As for :func:`send`.
     """
     h = worker._h
     if h is None:
         raise_closed(worker)
     slot = new_slot()
+    cu = False
     try:
         if type(buf) is list or type(buf) is tuple:
-            iov, count, mt, keep, n = _iov(buf, True)
+            iov, count, mt, keep, n = _iov(buf, True, stream)
+            if mt != _HOST or stream is not None:
+                cu = _cuda.prepare(worker, iov[0].buffer, mt, stream, _RECV)
             lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
         else:
-            ptr, n, mt, keep = acquire(buf, True)
+            ptr, n, mt, keep = acquire(buf, True, stream)
+            if mt != _HOST or stream is not None:
+                cu = _cuda.prepare(worker, ptr, mt, stream, _RECV)
             lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError) as exc:
         if all(isinstance(v, int) and 0 <= v <= TAG_MASK_FULL for v in (tag, tag_mask)):
             raise exc
         raise _bad_tag(tag, tag_mask) from None
+    finally:
+        if cu:
+            _cuda.leave(cu)
     return Request(worker, slot, keep, _RECV, _recv_info, None, n)
 
 
@@ -284,9 +337,12 @@ class ProbedMessage:
         if self._taken:
             raise RuntimeError("this probed message was already received")
         ptr, n, mt, keep = acquire(buf, True)
+        cu = mt != _HOST and _cuda.prepare(w, ptr, mt, None, _RECV)
         slot = new_slot()
         self._taken = True
         lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
+        if cu:
+            _cuda.leave(cu)
         return Request(w, slot, keep, _RECV, _recv_info, None, n)
 
     def recv(self, buf, timeout: float | None = None) -> RecvInfo:

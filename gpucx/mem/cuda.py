@@ -1,0 +1,755 @@
+"""The CUDA layer: driver loading, capability, devices, streams and contexts.
+
+gpucx talks to the CUDA *driver* API (``libcuda.so.1``) through ctypes,
+loaded on first use, so that gpucx imports and works on machines without a
+GPU, a driver, CuPy, Numba or PyTorch.  Nothing here runs for host memory
+unless a ``stream=`` is given.
+
+What it provides to the rest of gpucx:
+
+* :func:`problem` -- why a :class:`~gpucx.Context` cannot move CUDA memory
+  (the UCX build or ``UCX_TLS`` lacks CUDA transports, no driver, no device),
+  or ``None``.  Operations on CUDA buffers call :func:`prepare`, which raises
+  :class:`~gpucx.UnsupportedError` with that text before UCX sees anything.
+* :func:`as_stream` -- a CuPy, Numba or PyTorch stream, a raw handle or
+  ``None`` turned into a ``CUstream`` handle.
+* :func:`prepare` / :func:`leave` -- around posting an operation: make the
+  device that owns the pointer current (the primary context, pushed only if
+  another context is current; never device 0 by assumption), then record an
+  event on the user's stream and progress the worker until the event has
+  completed, so that other operations keep moving while gpucx waits.
+* :func:`sync_stream` -- the stream-sync hook :func:`gpucx.mem.as_buffer`
+  runs for a CAI v3 ``stream`` or a DLPack consumer stream; installed by
+  :func:`install` when a driver is present.
+
+The driver object is replaceable (:func:`set_driver`) so that the logic can
+be tested on machines without a GPU; tests do that with a named double.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import UnsupportedError
+from .memtype import CUDA_TYPES, MemoryType
+
+__all__ = [
+    "Driver",
+    "driver",
+    "set_driver",
+    "problem",
+    "as_stream",
+    "prepare",
+    "leave",
+    "sync_stream",
+    "device_of",
+    "current_device",
+    "on_device",
+    "enter",
+    "check",
+    "install",
+    "LEGACY_STREAM",
+    "PER_THREAD_STREAM",
+]
+
+#: ``CU_STREAM_LEGACY``: the legacy default stream (CAI and DLPack value 1).
+LEGACY_STREAM = 1
+#: ``CU_STREAM_PER_THREAD``: the per-thread default stream (value 2).
+PER_THREAD_STREAM = 2
+
+# cuda.h values (CUresult, CUpointer_attribute, CUmemorytype, event flags).
+_SUCCESS = 0
+_NOT_READY = 600
+_ATTR_CONTEXT = 1
+_ATTR_MEMORY_TYPE = 2
+_ATTR_IS_MANAGED = 8
+_ATTR_DEVICE_ORDINAL = 9
+_CU_MEMORYTYPE_DEVICE = 2
+_CU_MEMORYTYPE_UNIFIED = 4
+_EVENT_DISABLE_TIMING = 0x2
+
+_HOST = int(MemoryType.HOST)
+_CUDA_INTS = frozenset(int(m) for m in CUDA_TYPES)
+
+
+class DriverError(RuntimeError):
+    """A CUDA driver call failed (the message names the call and the error)."""
+
+
+class Driver:
+    """The CUDA driver API functions gpucx uses, over ``libcuda.so.1``.
+
+    Every method raises :class:`DriverError` naming the driver call and
+    the ``CUresult`` name when the call fails.
+
+    Parameters
+    ----------
+    lib : ctypes.CDLL
+        The loaded driver library (``cuInit`` already called).
+    """
+
+    def __init__(self, lib: Any):
+        self._lib = lib
+        self._primary: dict[int, int] = {}
+        self._lock = threading.Lock()
+        vp = ctypes.c_void_p
+        u = ctypes.c_uint
+        i = ctypes.c_int
+        sig = {
+            "cuDriverGetVersion": [ctypes.POINTER(i)],
+            "cuDeviceGetCount": [ctypes.POINTER(i)],
+            "cuDeviceGet": [ctypes.POINTER(i), i],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
+            "cuCtxGetCurrent": [ctypes.POINTER(vp)],
+            "cuCtxSetCurrent": [vp],
+            "cuCtxPushCurrent_v2": [vp],
+            "cuCtxPopCurrent_v2": [ctypes.POINTER(vp)],
+            "cuCtxGetDevice": [ctypes.POINTER(i)],
+            "cuPointerGetAttributes": [u, ctypes.POINTER(i), ctypes.POINTER(vp), vp],
+            "cuEventCreate": [ctypes.POINTER(vp), u],
+            "cuEventRecord": [vp, vp],
+            "cuEventQuery": [vp],
+            "cuEventSynchronize": [vp],
+            "cuEventDestroy_v2": [vp],
+            "cuMemcpy": [vp, vp, ctypes.c_size_t],
+            "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for name, argtypes in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes = argtypes
+            fn.restype = i
+
+    @classmethod
+    def load(cls, name: str = "libcuda.so.1") -> Driver:
+        """Load the driver library ``name`` and call ``cuInit(0)``.
+
+        Raises
+        ------
+        OSError
+            If the library is missing.
+        DriverError
+            If ``cuInit`` fails (no device, driver/library mismatch).
+        """
+        lib = ctypes.CDLL(name)
+        lib.cuInit.argtypes = [ctypes.c_uint]
+        lib.cuInit.restype = ctypes.c_int
+        drv = cls(lib)
+        drv._check(lib.cuInit(0), "cuInit")
+        return drv
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != _SUCCESS:
+            name = ctypes.c_char_p()
+            if self._lib.cuGetErrorName(rc, ctypes.byref(name)) == _SUCCESS:
+                text = (name.value or b"").decode()
+            else:
+                text = f"CUresult {rc}"
+            raise DriverError(f"{what}: {text}")
+
+    def version(self) -> int:
+        """``cuDriverGetVersion`` (e.g. 12040 for CUDA 12.4)."""
+        out = ctypes.c_int()
+        self._check(
+            self._lib.cuDriverGetVersion(ctypes.byref(out)), "cuDriverGetVersion"
+        )
+        return out.value
+
+    def device_count(self) -> int:
+        """Number of CUDA devices (``cuDeviceGetCount``)."""
+        out = ctypes.c_int()
+        self._check(self._lib.cuDeviceGetCount(ctypes.byref(out)), "cuDeviceGetCount")
+        return out.value
+
+    def pointer(self, ptr: int) -> tuple[int, int, int]:
+        """``(memory_type, device, context)`` of an address.
+
+        ``memory_type`` is a :class:`MemoryType` value (``HOST`` for memory
+        the driver does not know), ``device`` the ordinal (-1 for host) and
+        ``context`` the owning ``CUcontext`` (0 for host).
+        """
+        attrs = (ctypes.c_int * 4)(
+            _ATTR_MEMORY_TYPE, _ATTR_IS_MANAGED, _ATTR_DEVICE_ORDINAL, _ATTR_CONTEXT
+        )
+        mtype, managed, ordinal = ctypes.c_uint(), ctypes.c_uint64(), ctypes.c_int(-1)
+        ctx = ctypes.c_void_p()
+        data = (ctypes.c_void_p * 4)(
+            ctypes.addressof(mtype),
+            ctypes.addressof(managed),
+            ctypes.addressof(ordinal),
+            ctypes.addressof(ctx),
+        )
+        self._check(
+            self._lib.cuPointerGetAttributes(4, attrs, data, ctypes.c_void_p(ptr)),
+            "cuPointerGetAttributes",
+        )
+        if managed.value:
+            return int(MemoryType.CUDA_MANAGED), ordinal.value, ctx.value or 0
+        if mtype.value in (_CU_MEMORYTYPE_DEVICE, _CU_MEMORYTYPE_UNIFIED):
+            return int(MemoryType.CUDA), ordinal.value, ctx.value or 0
+        return _HOST, -1, 0
+
+    def current_context(self) -> int:
+        """The calling thread's current ``CUcontext`` (0 for none)."""
+        out = ctypes.c_void_p()
+        self._check(self._lib.cuCtxGetCurrent(ctypes.byref(out)), "cuCtxGetCurrent")
+        return out.value or 0
+
+    def context_device(self) -> int:
+        """Ordinal of the current context's device (``cuCtxGetDevice``)."""
+        out = ctypes.c_int()
+        self._check(self._lib.cuCtxGetDevice(ctypes.byref(out)), "cuCtxGetDevice")
+        return out.value
+
+    def primary_context(self, device: int) -> int:
+        """The device's primary context, retained once for the process."""
+        with self._lock:
+            ctx = self._primary.get(device)
+            if ctx is None:
+                dev = ctypes.c_int()
+                self._check(
+                    self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet"
+                )
+                out = ctypes.c_void_p()
+                self._check(
+                    self._lib.cuDevicePrimaryCtxRetain(ctypes.byref(out), dev.value),
+                    "cuDevicePrimaryCtxRetain",
+                )
+                ctx = self._primary[device] = out.value or 0
+            return ctx
+
+    def set_current(self, ctx: int) -> None:
+        """``cuCtxSetCurrent``."""
+        self._check(self._lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+
+    def push(self, ctx: int) -> None:
+        """``cuCtxPushCurrent``."""
+        self._check(
+            self._lib.cuCtxPushCurrent_v2(ctypes.c_void_p(ctx)), "cuCtxPushCurrent"
+        )
+
+    def pop(self) -> None:
+        """``cuCtxPopCurrent``."""
+        out = ctypes.c_void_p()
+        self._check(self._lib.cuCtxPopCurrent_v2(ctypes.byref(out)), "cuCtxPopCurrent")
+
+    def event_create(self) -> int:
+        """A new event without timing (``cuEventCreate``)."""
+        out = ctypes.c_void_p()
+        self._check(
+            self._lib.cuEventCreate(ctypes.byref(out), _EVENT_DISABLE_TIMING),
+            "cuEventCreate",
+        )
+        return out.value or 0
+
+    def event_record(self, event: int, stream: int) -> None:
+        """``cuEventRecord(event, stream)``."""
+        self._check(
+            self._lib.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)),
+            "cuEventRecord",
+        )
+
+    def event_query(self, event: int) -> bool:
+        """Whether the work before the event has finished (``cuEventQuery``)."""
+        rc = self._lib.cuEventQuery(ctypes.c_void_p(event))
+        if rc == _NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
+    def event_synchronize(self, event: int) -> None:
+        """Block until the event has completed (``cuEventSynchronize``)."""
+        self._check(
+            self._lib.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize"
+        )
+
+    def memcpy(self, dst: int, src: int, nbytes: int) -> None:
+        """Copy between any two addresses (unified addressing), returning
+        once the bytes are in ``dst`` (``cuMemcpy``)."""
+        self._check(
+            self._lib.cuMemcpy(
+                ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes)
+            ),
+            "cuMemcpy",
+        )
+
+    def event_destroy(self, event: int) -> None:
+        """``cuEventDestroy``."""
+        self._check(
+            self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy"
+        )
+
+
+_UNLOADED: Any = object()
+_driver: Any = _UNLOADED
+_driver_problem: str | None = None
+_load_lock = threading.Lock()
+
+
+def driver() -> Any:
+    """The loaded driver, loading it on first use; ``None`` without one.
+
+    When this returns ``None``, :func:`driver_problem` says why.
+    """
+    global _driver, _driver_problem
+    if _driver is _UNLOADED:
+        with _load_lock:
+            if _driver is _UNLOADED:
+                try:
+                    drv = Driver.load()
+                    if drv.device_count() < 1:
+                        raise DriverError("cuDeviceGetCount: no CUDA device")
+                except OSError as exc:
+                    _driver_problem = f"no CUDA driver (libcuda.so.1: {exc})"
+                    _driver = None
+                except (DriverError, AttributeError) as exc:
+                    _driver_problem = f"the CUDA driver is unusable ({exc})"
+                    _driver = None
+                else:
+                    _driver = drv
+    return _driver
+
+
+def driver_problem() -> str | None:
+    """Why :func:`driver` returns ``None`` (``None`` when it does not)."""
+    return None if driver() is not None else _driver_problem
+
+
+def set_driver(drv: Any, problem_text: str | None = None) -> Any:
+    """Replace the driver object (tests use a double); returns the previous.
+
+    ``drv=None`` with ``problem_text`` says there is no driver; pass the
+    previous value back to restore it.
+    """
+    global _driver, _driver_problem
+    previous = (_driver, _driver_problem)
+    _driver = drv
+    _driver_problem = problem_text
+    _events.forget()
+    return previous
+
+
+def restore_driver(previous: Any) -> None:
+    """Undo :func:`set_driver` with the value it returned."""
+    global _driver, _driver_problem
+    _driver, _driver_problem = previous
+    _events.forget()
+
+
+# -- capability -----------------------------------------------------------------
+
+_NO_UCX_CUDA = (
+    "this UCX context has no CUDA transport loaded, so UCX cannot move CUDA "
+    "memory: use a UCX built with CUDA (the libucx-cu12/-cu13 wheel, or "
+    "GPUCX_UCX_PREFIX pointing at one), a CUDA driver, and a UCX_TLS that "
+    "includes cuda_copy (and cuda_ipc between processes on one node), e.g. "
+    "UCX_TLS=sm,cuda_copy,cuda_ipc,tcp"
+)
+
+
+def problem(context: Any) -> str | None:
+    """Why ``context`` cannot move CUDA memory, or ``None`` when it can.
+
+    Both must hold: UCX reports CUDA among the context's memory types
+    (``UCP_ATTR_FIELD_MEMORY_TYPES``: a UCX built with CUDA whose
+    ``cuda_copy`` transport loaded under this ``UCX_TLS``), and a CUDA
+    driver with at least one device is present.  Cached on the context.
+    """
+    cached = context.__dict__.get("_cuda_problem", _UNLOADED)
+    if cached is not _UNLOADED:
+        return cached
+    reasons = []
+    if MemoryType.CUDA not in context.memory_types:
+        import os
+
+        tls = context.config.get("TLS") or os.environ.get("UCX_TLS")
+        reasons.append(_NO_UCX_CUDA + (f" (this context: TLS={tls})" if tls else ""))
+    drv_problem = driver_problem()
+    if drv_problem is not None:
+        reasons.append(drv_problem)
+    text = "; ".join(reasons) if reasons else None
+    context._cuda_problem = text
+    return text
+
+
+def _unsupported(context: Any, what: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what}: CUDA memory cannot be moved here: {problem(context)}"
+    )
+
+
+def check(context: Any, what: str) -> None:
+    """Raise :class:`~gpucx.UnsupportedError` if ``context`` cannot move CUDA.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Naming what is missing (see :func:`problem`).
+    """
+    if problem(context) is not None:
+        raise _unsupported(context, what)
+
+
+# -- streams --------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def as_stream(stream: Any) -> int | None:
+    """Turn a stream argument into a ``CUstream`` handle.
+
+    Accepts ``None`` (no stream), a raw int handle (0 and 1 both mean the
+    legacy default stream, 2 the per-thread default stream), a CuPy stream
+    (``.ptr``), a PyTorch stream (``.cuda_stream``), a Numba stream
+    (``.handle.value``, or ``int(stream)``).
+
+    Returns
+    -------
+    int or None
+        The handle; 0 becomes :data:`LEGACY_STREAM` so that the handle means
+        the same whatever the caller's compilation mode.
+
+    Raises
+    ------
+    TypeError
+        For anything else (the message names the attributes looked for).
+    ValueError
+        For a negative handle.
+    """
+    if stream is None:
+        return None
+    if _is_int(stream):
+        handle = stream
+    elif isinstance(stream, (bool, float)):
+        raise TypeError(
+            f"stream must be None, an int handle or a stream, not {stream!r}"
+        )
+    else:
+        handle = None
+        for attr in ("ptr", "cuda_stream"):
+            value = getattr(stream, attr, None)
+            if _is_int(value):
+                handle = value
+                break
+        if handle is None:
+            inner = getattr(stream, "handle", None)
+            value = getattr(inner, "value", None)
+            if inner is not None and (value is None or _is_int(value)):
+                handle = value or 0
+        if handle is None and hasattr(stream, "__int__"):
+            handle = int(stream)
+        if handle is None:
+            raise TypeError(
+                "stream must be None, an int handle, or a CUDA stream object "
+                "with .ptr (CuPy), .cuda_stream (PyTorch) or .handle (Numba); "
+                f"got {type(stream).__name__}"
+            )
+    if handle < 0:
+        raise ValueError(f"stream handle must be >= 0, not {handle}")
+    return handle or LEGACY_STREAM
+
+
+class _Events:
+    """Free events per context, so no event is created per operation."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, drv: Any, ctx: int) -> int:
+        with self._lock:
+            free = self._free.get(ctx)
+            if free:
+                return free.pop()
+        return drv.event_create()
+
+    def give(self, ctx: int, event: int) -> None:
+        with self._lock:
+            self._free.setdefault(ctx, []).append(event)
+
+    def forget(self) -> None:
+        """Drop every pooled event (they belong to the previous driver)."""
+        with self._lock:
+            self._free.clear()
+
+
+_events = _Events()
+
+
+def _need_driver(what: str) -> Any:
+    drv = driver()
+    if drv is None:
+        raise UnsupportedError(f"{what}: a CUDA stream needs {driver_problem()}")
+    return drv
+
+
+def wait_stream(
+    stream: int, progress: Callable[[], object] | None = None, what: str = "stream"
+) -> None:
+    """Return when the work queued on ``stream`` before the call has finished.
+
+    Records an event on the stream (in the current context) and polls it;
+    between polls ``progress()`` runs, so a worker keeps moving other
+    operations while this one waits.  Without ``progress`` it blocks in
+    ``cuEventSynchronize``.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a usable CUDA driver.
+    DriverError
+        If the driver rejects the stream (a handle from another context, a
+        destroyed stream).
+    """
+    drv = _need_driver(what)
+    ctx = drv.current_context()
+    if ctx == 0:
+        ctx = drv.primary_context(current_device())
+        drv.set_current(ctx)
+    event = _events.take(drv, ctx)
+    try:
+        drv.event_record(event, stream)
+        if progress is None:
+            drv.event_synchronize(event)
+        else:
+            while not drv.event_query(event):
+                progress()
+    except BaseException:
+        drv.event_destroy(event)
+        raise
+    _events.give(ctx, event)
+
+
+def sync_stream(stream: int, buf: Any) -> None:
+    """Stream-sync hook for :func:`gpucx.mem.as_buffer` (blocking).
+
+    Makes the buffer's device current when the driver knows the pointer,
+    then waits for the work queued on ``stream`` before the call.
+    """
+    token = None
+    if buf.memory_type is not MemoryType.HOST and buf.nbytes:
+        token = _make_current(_need_driver(buf.protocol), buf.ptr, buf.device)
+    try:
+        wait_stream(stream, None, buf.protocol)
+    finally:
+        if token:
+            _need_driver(buf.protocol).pop()
+
+
+# -- devices and contexts ---------------------------------------------------------
+
+
+def current_device() -> int:
+    """The device of the calling thread's current context.
+
+    Without a current context: the only device when there is one, else
+    the device CuPy considers current (when CuPy is imported).
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a driver.
+    ValueError
+        With several devices, no current context and no CuPy device.
+    """
+    drv = _need_driver("device")
+    if drv.current_context():
+        return int(drv.context_device())
+    count = drv.device_count()
+    if count == 1:
+        return 0
+    import sys
+
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        return int(cupy.cuda.Device().id)
+    raise ValueError(
+        f"this host has {count} CUDA devices and none is current in this "
+        "thread: pass device= or make one current first"
+    )
+
+
+def device_of(ptr: int) -> int:
+    """Ordinal of the device that owns ``ptr`` (-1 for host memory).
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a driver.
+    """
+    return int(_need_driver("pointer").pointer(ptr)[1])
+
+
+def _make_current(drv: Any, ptr: int, device: int) -> bool:
+    """Make the owner of ``ptr`` current; True when a context was pushed."""
+    want = 0
+    if ptr:
+        want = drv.pointer(ptr)[2]
+    if not want:
+        if device < 0:
+            return False
+        want = drv.primary_context(device)
+    have = drv.current_context()
+    if have == want:
+        return False
+    if have == 0:
+        # Nothing current in this thread (a progress thread, a fresh thread):
+        # leave the owner current, as cudaSetDevice would.
+        drv.set_current(want)
+        return False
+    drv.push(want)
+    return True
+
+
+def enter(ptr: int, device: int = -1) -> bool:
+    """Make the context owning ``ptr`` (or ``device``'s primary) current.
+
+    Returns True when a context was pushed: pass it to :func:`leave`.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a driver.
+    """
+    return _make_current(_need_driver("device"), ptr, device)
+
+
+def on_device(device: int) -> Any:
+    """Context manager: ``device``'s primary context current inside.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a driver.
+    ValueError
+        For a device ordinal this host does not have.
+    """
+    return _OnDevice(device)
+
+
+class _OnDevice:
+    __slots__ = ("_device", "_pushed")
+
+    def __init__(self, device: int):
+        drv = _need_driver("device")
+        count = drv.device_count()
+        if not _is_int(device) or not 0 <= device < count:
+            raise ValueError(f"device={device!r}: this host has {count} CUDA device(s)")
+        self._device = device
+        self._pushed = False
+
+    def __enter__(self) -> int:
+        self._pushed = _make_current(driver(), 0, self._device)
+        return self._device
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            driver().pop()
+
+
+def prepare(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> bool:
+    """Get ready to post an operation on ``ptr``; call before posting.
+
+    For CUDA memory: check that the worker's context can move it, make the
+    owning device current.  For a ``stream``: wait, progressing ``worker``,
+    until the work queued on it before the call has finished.
+
+    Parameters
+    ----------
+    worker : Worker
+        Progressed while waiting for the stream.
+    ptr : int or cdata
+        Address of the buffer.
+    memory_type : int
+        Its ``ucs_memory_type_t``.
+    stream : object
+        As for :func:`as_stream`.
+    what : str
+        The operation, for error messages.
+
+    Returns
+    -------
+    bool
+        True when a context was pushed: call :func:`leave` after posting.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        CUDA memory on a context that cannot move it (the message names
+        what is missing), or a stream without a CUDA driver.
+    TypeError, ValueError
+        For a bad ``stream`` (see :func:`as_stream`).
+    """
+    handle = as_stream(stream)
+    pushed = False
+    if memory_type in _CUDA_INTS:
+        check(worker._context, what)
+        if not isinstance(ptr, int):
+            from .._lib import ffi
+
+            ptr = int(ffi.cast("uintptr_t", ptr))
+        pushed = _make_current(driver(), ptr, -1)
+    if handle is not None:
+        try:
+            wait_stream(handle, worker.progress, what)
+        except BaseException:
+            if pushed:
+                driver().pop()
+            raise
+    return pushed
+
+
+def copy_in(
+    worker: Any,
+    dst: Any,
+    memory_type: int,
+    src: Any,
+    nbytes: int,
+    stream: Any,
+    what: str,
+) -> None:
+    """Copy ``nbytes`` of host memory at ``src`` into CUDA memory at ``dst``.
+
+    Used where gpucx itself must deliver bytes UCX already received into host
+    memory (an eager active message) to a device buffer: :func:`prepare`
+    (capability, device, stream), then ``cuMemcpy``, which returns once the
+    bytes are in device memory.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        As for :func:`prepare`.
+    """
+    pushed = prepare(worker, dst, memory_type, stream, what)
+    try:
+        from .._lib import ffi
+
+        driver().memcpy(
+            int(ffi.cast("uintptr_t", dst)), int(ffi.cast("uintptr_t", src)), nbytes
+        )
+    finally:
+        leave(pushed)
+
+
+def leave(pushed: bool) -> None:
+    """Undo what :func:`prepare` made current (when it pushed a context)."""
+    if pushed:
+        driver().pop()
+
+
+def install() -> bool:
+    """Install :func:`sync_stream` as the stream-sync hook if a driver loads.
+
+    Returns whether it was installed (without a driver the default hook
+    stays: it raises :class:`~gpucx.UnsupportedError` for device memory).
+    """
+    from .buffer import set_stream_sync_hook
+
+    if driver() is None:
+        return False
+    set_stream_sync_hook(sync_stream)
+    return True

@@ -1,0 +1,223 @@
+/* A fake libcuda for machines without a GPU (test double).
+ *
+ * It implements, with the CUDA driver API's C signatures, the calls
+ * gpucx.mem.cuda.Driver makes, over host memory and a small in-process
+ * model: two devices whose primary contexts are the handles 0xC0 and 0xC1, a
+ * per-thread context stack, events that report CUDA_ERROR_NOT_READY a set
+ * number of times, and a table of "device" pointers that tests fill with
+ * fake_register().  It lets tests drive the real ctypes bindings (argument
+ * types, pointer plumbing, error names) end to end.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef unsigned long long CUdeviceptr;
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_NOT_READY 600
+
+static int initialized;
+static __thread CUcontext stack[16];
+static __thread int depth;  /* stack[depth - 1] is current */
+
+#define MAX_PTRS 64
+static struct { uintptr_t ptr; int dev; int managed; } ptrs[MAX_PTRS];
+static int nptrs;
+
+#define MAX_EVENTS 64
+static struct { int polls_left; uintptr_t stream; int recorded; } events[MAX_EVENTS];
+static int nevents;
+static int polls_per_event;
+static int records;
+static uintptr_t last_stream;
+static int memcpys;
+
+/* -- test controls ------------------------------------------------------ */
+void fake_reset(void)
+{
+    depth = 0;
+    nptrs = 0;
+    nevents = 0;
+    polls_per_event = 0;
+    records = 0;
+    last_stream = 0;
+    memcpys = 0;
+}
+void fake_register(uintptr_t ptr, int dev, int managed)
+{
+    ptrs[nptrs].ptr = ptr;
+    ptrs[nptrs].dev = dev;
+    ptrs[nptrs].managed = managed;
+    nptrs++;
+}
+void fake_set_polls(int n) { polls_per_event = n; }
+int fake_records(void) { return records; }
+uintptr_t fake_last_stream(void) { return last_stream; }
+int fake_events(void) { return nevents; }
+int fake_memcpys(void) { return memcpys; }
+int fake_depth(void) { return depth; }
+
+/* -- the driver API subset ------------------------------------------------ */
+CUresult cuInit(unsigned flags) { (void)flags; initialized = 1; return CUDA_SUCCESS; }
+
+CUresult cuDriverGetVersion(int *v) { *v = 12040; return CUDA_SUCCESS; }
+
+CUresult cuDeviceGetCount(int *n)
+{
+    if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
+    *n = 2;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDeviceGet(CUdevice *d, int ordinal)
+{
+    if (ordinal < 0 || ordinal > 1) return CUDA_ERROR_INVALID_VALUE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
+{
+    *ctx = (CUcontext)(uintptr_t)(0xC0 + d);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *ctx)
+{
+    *ctx = depth ? stack[depth - 1] : NULL;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    if (depth == 0) depth = 1;
+    stack[depth - 1] = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    stack[depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxPopCurrent_v2(CUcontext *out)
+{
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    *out = stack[--depth];
+    return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetDevice(CUdevice *d)
+{
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    *d = (int)((uintptr_t)stack[depth - 1] - 0xC0);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p)
+{
+    int i, k, found = -1;
+
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].ptr == (uintptr_t)p) found = k;
+    }
+    for (i = 0; i < (int)n; i++) {
+        switch (attrs[i]) {
+        case 1: /* CONTEXT */
+            *(CUcontext *)data[i] =
+                found < 0 ? NULL : (CUcontext)(uintptr_t)(0xC0 + ptrs[found].dev);
+            break;
+        case 2: /* MEMORY_TYPE: 2 = device */
+            *(unsigned *)data[i] = found < 0 ? 0 : 2;
+            break;
+        case 8: /* IS_MANAGED (a bool) */
+            *(unsigned char *)data[i] = found < 0 ? 0 : (unsigned char)ptrs[found].managed;
+            break;
+        case 9: /* DEVICE_ORDINAL */
+            *(int *)data[i] = found < 0 ? -2 : ptrs[found].dev;
+            break;
+        default:
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventCreate(CUevent *e, unsigned flags)
+{
+    if (flags != 2 || depth == 0) return CUDA_ERROR_INVALID_VALUE;
+    events[nevents].recorded = 0;
+    *e = (CUevent)(uintptr_t)(0x1000 + nevents);
+    nevents++;
+    return CUDA_SUCCESS;
+}
+
+static int event_index(CUevent e)
+{
+    intptr_t k = (intptr_t)(uintptr_t)e - 0x1000;
+    return (k >= 0 && k < nevents) ? (int)k : -1;
+}
+
+CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    int k = event_index(e);
+    if (k < 0) return CUDA_ERROR_INVALID_VALUE;
+    events[k].recorded = 1;
+    events[k].polls_left = polls_per_event;
+    events[k].stream = (uintptr_t)s;
+    last_stream = (uintptr_t)s;
+    records++;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventQuery(CUevent e)
+{
+    int k = event_index(e);
+    if (k < 0) return CUDA_ERROR_INVALID_VALUE;
+    if (events[k].polls_left > 0) {
+        events[k].polls_left--;
+        return CUDA_ERROR_NOT_READY;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventSynchronize(CUevent e)
+{
+    int k = event_index(e);
+    if (k < 0) return CUDA_ERROR_INVALID_VALUE;
+    events[k].polls_left = 0;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuEventDestroy_v2(CUevent e)
+{
+    return event_index(e) < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
+{
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    memcpys++;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuGetErrorName(CUresult r, const char **name)
+{
+    switch (r) {
+    case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *name = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case CUDA_ERROR_INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}

@@ -1,0 +1,352 @@
+"""GPU suite: CuPy memory through gpucx on a real GPU (marker ``cuda``).
+
+Skipped without an NVIDIA GPU and CuPy (conftest); on a GPU machine it runs
+as is: ``pip install -e '.[test,cuda12]' && python -m pytest -q -m cuda``.
+Every transfer is checked byte by byte.  Two processes on one GPU move data
+with CUDA IPC (``cuda_ipc``); ``tcp,cuda_copy`` stages through host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import gpucx
+
+from conftest import Pair, channel_pair, join_ok, spawn
+from peers_cuda import array_echo, cuda_echo, cuda_region_owner, pattern
+
+pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
+
+#: UCX transport sets for CUDA memory: default choice, CUDA IPC on one node
+#: (shared memory for host control data), host staging over TCP.
+CUDA_TLS = {
+    "default": None,
+    "ipc": {"TLS": "cuda_copy,cuda_ipc,sm,self,tcp"},
+    "tcp-staged": {"TLS": "tcp,cuda_copy,self"},
+}
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    import cupy
+
+    return cupy
+
+
+@pytest.fixture(params=sorted(CUDA_TLS))
+def cuda_cfg(request):
+    return CUDA_TLS[request.param]
+
+
+@pytest.fixture
+def cuda_ctx(cuda_cfg):
+    c = gpucx.Context(config=cuda_cfg)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def cpair(cuda_ctx):
+    return Pair(cuda_ctx)
+
+
+def _last_device(cupy) -> int:
+    # Never device 0 by assumption: use the last one (0 on a one-GPU host).
+    return cupy.cuda.runtime.getDeviceCount() - 1
+
+
+def same_bytes(a, b) -> None:
+    """Byte-by-byte comparison of two arrays (host or device)."""
+    import cupy
+
+    ha = cupy.asnumpy(a).view(np.uint8).ravel()
+    hb = cupy.asnumpy(b).view(np.uint8).ravel()
+    assert ha.size == hb.size
+    diff = np.flatnonzero(ha != hb)
+    assert diff.size == 0, f"{diff.size} bytes differ, first at {diff[:5]}"
+
+
+def test_context_can_move_cuda(cuda_ctx):
+    assert cuda_ctx.cuda_available, cuda_ctx.cuda_problem
+    assert gpucx.MemoryType.CUDA in cuda_ctx.memory_types
+
+
+def test_as_buffer_resolves_device_and_type(cupy):
+    from gpucx.mem import as_buffer
+    from gpucx.mem import cuda as gcuda
+
+    dev = _last_device(cupy)
+    with cupy.cuda.Device(dev):
+        x = cupy.arange(100, dtype=cupy.float32)
+        managed = cupy.ndarray((64,), cupy.uint8, cupy.cuda.malloc_managed(64))
+    buf = as_buffer(x)
+    assert buf.memory_type is gpucx.MemoryType.CUDA and buf.nbytes == 400
+    assert gcuda.device_of(buf.ptr) == dev
+    drv = gcuda.driver()
+    assert drv.pointer(buf.ptr)[:2] == (int(gpucx.MemoryType.CUDA), dev)
+    assert drv.pointer(managed.data.ptr)[0] == int(gpucx.MemoryType.CUDA_MANAGED)
+
+
+@pytest.mark.parametrize("nbytes", [1, 8191, 4 * 2**20 + 3])
+def test_tag_cupy_one_process(cupy, cpair, nbytes):
+    src = pattern(cupy, nbytes, 1)
+    dst = cupy.zeros(nbytes, cupy.uint8)
+    cpair.drive(cpair.ab.send_nb(src, tag=5), cpair.b.recv_nb(dst, tag=5))
+    same_bytes(dst, src)
+
+
+@pytest.mark.parametrize("direction", ["host-to-cuda", "cuda-to-host"])
+@pytest.mark.parametrize("nbytes", [100, 3 * 2**20])
+def test_host_cuda_transfers(cupy, cpair, direction, nbytes):
+    host = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    if direction == "host-to-cuda":
+        src, dst = host, cupy.zeros(nbytes, cupy.uint8)
+    else:
+        src, dst = cupy.asarray(host), np.zeros(nbytes, np.uint8)
+    cpair.drive(cpair.ab.send_nb(src, tag=6), cpair.b.recv_nb(dst, tag=6))
+    same_bytes(dst, host)
+
+
+def test_tag_cupy_two_processes(cupy, cuda_cfg):
+    sizes = [1, 4096, 65537, 8 * 2**20 + 5]
+    dev = _last_device(cupy)
+    ours, theirs = channel_pair()
+    child = spawn(cuda_echo, cuda_cfg, theirs, sizes, dev)
+    with cupy.cuda.Device(dev), gpucx.Context(config=cuda_cfg) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(ours.get())
+        ours.put(w.address)
+        for k, n in enumerate(sizes):
+            src = pattern(cupy, n, k)
+            back = cupy.zeros(n, cupy.uint8)
+            req = w.recv_nb(back, tag=k | 1 << 32)
+            ep.send(src, tag=k)
+            req.wait(60)
+            same_bytes(back, src)
+        kind, bad, transports = ours.get()
+        assert kind == "checked" and bad == []
+        ours.put("bye")
+    join_ok(child)
+    if cuda_cfg is not None and "cuda_ipc" in cuda_cfg["TLS"]:
+        assert any("cuda_ipc" in t for t, _ in transports), transports
+
+
+def test_send_array_two_processes(cupy, cuda_cfg):
+    dev = _last_device(cupy)
+    with cupy.cuda.Device(dev):
+        arrays = [
+            cupy.arange(12, dtype=cupy.float32).reshape(3, 4),
+            cupy.arange(2**20, dtype=cupy.int64) * -3,
+            (cupy.arange(1000) + 1j * cupy.arange(1000)).astype(cupy.complex128),
+            cupy.zeros((0, 5), cupy.float64),
+        ]
+    ours, theirs = channel_pair()
+    child = spawn(array_echo, cuda_cfg, theirs, len(arrays), dev)
+    with cupy.cuda.Device(dev), gpucx.Context(config=cuda_cfg) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(ours.get())
+        ours.put(w.address)
+        for a in arrays:
+            ep.send_array(a)
+            back = ep.recv_array(timeout=60)
+            assert isinstance(back, cupy.ndarray)
+            assert back.dtype == a.dtype and back.shape == a.shape
+            assert back.device.id == dev
+            same_bytes(back, a)
+        kind, kinds = ours.get()
+        assert kinds == [("cupy", dev)] * len(arrays)
+        ours.put("bye")
+    join_ok(child)
+
+
+def test_put_get_peer_cuda_region(cupy, cuda_cfg):
+    nbytes = 2 * 2**20
+    dev = _last_device(cupy)
+    ours, theirs = channel_pair()
+    child = spawn(cuda_region_owner, cuda_cfg, theirs, nbytes, dev)
+    with cupy.cuda.Device(dev), gpucx.Context(config=cuda_cfg) as ctx:
+        w = ctx.create_worker()
+        address, blob, view_module = ours.get()
+        assert view_module.startswith("cupy")
+        ep = w.connect(address)
+        ours.put(w.address)
+        rkey = ep.unpack(blob)
+        # get the owner's initial bytes into CUDA and into host memory
+        got = cupy.zeros(nbytes, cupy.uint8)
+        ep.get(got, rkey)
+        same_bytes(got, pattern(cupy, nbytes, 3))
+        host = np.zeros(4096, np.uint8)
+        ep.get(host, rkey, offset=nbytes - 4096)
+        same_bytes(host, pattern(cupy, nbytes, 3)[-4096:])
+        # put CUDA data at an offset, then from host memory, then notify
+        src = pattern(cupy, nbytes // 2, 9)
+        ep.put(src, rkey, offset=nbytes // 4)
+        ep.put(np.full(16, 0xAB, np.uint8), rkey, offset=0, notify=b"done")
+        kind, note, owner_bytes = ours.get()
+        ours.put("bye")
+    join_ok(child)
+    assert note == b"done"
+    want = cupy.asnumpy(pattern(cupy, nbytes, 3))
+    want[nbytes // 4 : nbytes // 4 + nbytes // 2] = cupy.asnumpy(src)
+    want[:16] = 0xAB
+    same_bytes(np.frombuffer(owner_bytes, np.uint8), want)
+
+
+def test_region_allocate_and_register_on_device(cupy, cuda_ctx):
+    dev = _last_device(cupy)
+    region = cuda_ctx.allocate(4096, gpucx.MemoryType.CUDA, device=dev)
+    view = region.as_array(np.float32)
+    assert isinstance(view, cupy.ndarray) and view.device.id == dev
+    assert region.memory_type is gpucx.MemoryType.CUDA
+    calls = []
+
+    def allocator(nbytes, memory_type):
+        calls.append((nbytes, memory_type, cupy.cuda.runtime.getDevice()))
+        return cupy.zeros(nbytes, cupy.uint8)
+
+    r2 = cuda_ctx.allocate(100, gpucx.MemoryType.CUDA, device=dev, allocator=allocator)
+    assert calls == [(100, int(gpucx.MemoryType.CUDA), dev)]
+    assert r2.nbytes == 100
+    with cupy.cuda.Device(dev):
+        arr = cupy.ones(1000, cupy.uint8)
+    r3 = cuda_ctx.register(arr)
+    assert r3.memory_type is gpucx.MemoryType.CUDA and r3.address == arr.data.ptr
+
+
+def test_post_from_a_thread_with_no_current_context(cupy, cpair):
+    # A fresh thread has no CUDA context current: gpucx makes the owner's
+    # device current around the post itself.
+    dev = _last_device(cupy)
+    with cupy.cuda.Device(dev):
+        src = pattern(cupy, 1 << 20, 4)
+        dst = cupy.zeros(1 << 20, cupy.uint8)
+        cupy.cuda.runtime.deviceSynchronize()
+    errors = []
+
+    def post():
+        try:
+            reqs.append(cpair.ab.send_nb(src, tag=8))
+            reqs.append(cpair.b.recv_nb(dst, tag=8))
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    reqs: list = []
+    t = threading.Thread(target=post)
+    t.start()
+    t.join(30)
+    assert errors == []
+    cpair.drive(*reqs)
+    same_bytes(dst, src)
+
+
+_SPIN_WRITE = r"""
+extern "C" __global__
+void spin_write(unsigned char *out, long long n, long long cycles, unsigned char v)
+{
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        out[i] = v;
+}
+"""
+
+
+def _late_write(cupy, out, value, stream):
+    """Queue a kernel on ``stream`` that spins ~1 s, then fills ``out``."""
+    kernel = cupy.RawKernel(_SPIN_WRITE, "spin_write")
+    rate = cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrClockRate, out.device.id
+    )  # kHz
+    cycles = int(rate * 1000)  # about one second
+    with stream:
+        kernel(
+            (1,), (256,), (out, np.int64(out.size), np.int64(cycles), np.uint8(value))
+        )
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "no-stream"])
+def test_stream_ordering_race(cupy, cpair, use_stream):
+    n = 1 << 16
+    src = cupy.zeros(n, cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    _late_write(cupy, src, 7, s)
+    got = np.zeros(n, np.uint8)
+    # Sent from outside the stream's block: CuPy's CAI names the legacy
+    # default stream, which does not wait for a non-blocking stream.
+    req = cpair.ab.send_nb(src, tag=11, stream=s if use_stream else None)
+    cpair.drive(req, cpair.b.recv_nb(got, tag=11), timeout=30)
+    s.synchronize()
+    if use_stream:
+        assert (got == 7).all(), f"{int((got != 7).sum())} stale bytes"
+    else:
+        # Without the stream the send overtakes the kernel: stale zeros.
+        assert (got == 0).any(), "the race did not show: the kernel was too fast"
+
+
+def test_recv_with_stream_is_visible_to_later_kernels(cupy, cpair):
+    n = 1 << 20
+    s = cupy.cuda.Stream(non_blocking=True)
+    dst = cupy.zeros(n, cupy.uint8)
+    src = pattern(cupy, n, 2)
+    cupy.cuda.runtime.deviceSynchronize()
+    req = cpair.b.recv_nb(dst, tag=12, stream=s)
+    cpair.drive(cpair.ab.send_nb(src, tag=12), req)
+    with s:
+        total = int(dst.astype(cupy.uint64).sum())  # a kernel on s after the recv
+    assert total == int(src.astype(cupy.uint64).sum())
+
+
+def test_dlpack_producer_gets_consumer_stream(cupy, cpair):
+    class OnlyDLPack:
+        def __init__(self, arr):
+            self.arr = arr
+            self.streams = []
+
+        def __dlpack_device__(self):
+            return self.arr.__dlpack_device__()
+
+        def __dlpack__(self, **kw):
+            self.streams.append(kw.get("stream"))
+            return self.arr.__dlpack__(**kw)
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    src = OnlyDLPack(pattern(cupy, 5000, 6))
+    dst = cupy.zeros(5000, cupy.uint8)
+    cpair.drive(cpair.ab.send_nb(src, tag=13, stream=s), cpair.b.recv_nb(dst, tag=13))
+    # (twice if this CuPy predates max_version: gpucx retries without it)
+    assert src.streams and set(src.streams) == {s.ptr}
+    same_bytes(dst, src.arr)
+
+
+def _bench(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "gpucx.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+
+
+@pytest.mark.parametrize("memory", ["cuda", "host:cuda"])
+def test_bench_cuda_vs_perftest(tmp_path, memory):
+    out = tmp_path / "bench.json"
+    p = _bench(
+        "-m", memory, "-t", "tag_bw,put_bw", "-s", "64K,4M", "-n", "100", "-w",
+        "10", "--no-progress", "--timeout", "120", "--vs-perftest", "--json", str(out),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    results = json.loads(out.read_text())["results"]
+    assert {r["memory"] for r in results} == {memory if ":" in memory else "cuda:cuda"}
+    for r in results:
+        assert r["bandwidth_gbs"] > 0
+        assert r["perftest"]["bandwidth_gbs"] > 0
+        assert r["ratio"] > 0
+    print(p.stdout)  # the figures, for benchmarks/RESULTS.md (pytest -s)

@@ -1,0 +1,185 @@
+"""The real ctypes bindings of gpucx.mem.cuda.Driver, over a fake libcuda.
+
+``tests/fakecuda/libcuda_fake.c`` is a test double for the missing GPU: a
+shared library with the CUDA driver API's C signatures over host memory.
+Compiling it here and loading it with ``Driver.load`` runs gpucx's real
+argument types, pointer plumbing and error naming end to end -- the code
+that otherwise first runs on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sysconfig
+import time
+
+import numpy as np
+import pytest
+
+import gpucx
+from gpucx.mem import cuda as gcuda
+
+from conftest import Pair
+from fakegpu import FakeCudaArrayV2, FakeCupyStream
+
+pytestmark = pytest.mark.timeout(60)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "fakecuda", "libcuda_fake.c")
+CUDA = int(gpucx.MemoryType.CUDA)
+
+
+@pytest.fixture(scope="module")
+def fake_lib_path(tmp_path_factory):
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        cc = "cc"
+    out = tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(out), SOURCE],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return str(out)
+
+
+@pytest.fixture
+def drv(fake_lib_path):
+    d = gcuda.Driver.load(fake_lib_path)
+    d._lib.fake_reset()
+    previous = gcuda.set_driver(d)
+    yield d
+    d._lib.fake_reset()
+    gcuda.restore_driver(previous)
+
+
+def _register(d, ptr, dev, managed=False):
+    d._lib.fake_register(ctypes.c_size_t(ptr), dev, int(managed))
+
+
+def test_device_queries(drv):
+    assert drv.version() == 12040
+    assert drv.device_count() == 2
+    first = drv.primary_context(1)
+    assert first == 0xC1 and drv.primary_context(1) == first
+    assert drv._primary == {1: 0xC1}
+
+
+def test_pointer_attributes(drv):
+    host = np.zeros(8, np.uint8)
+    dev = np.zeros(8, np.uint8)
+    managed = np.zeros(8, np.uint8)
+    _register(drv, dev.ctypes.data, 1)
+    _register(drv, managed.ctypes.data, 0, managed=True)
+    assert drv.pointer(host.ctypes.data) == (int(gpucx.MemoryType.HOST), -1, 0)
+    assert drv.pointer(dev.ctypes.data) == (CUDA, 1, 0xC1)
+    assert drv.pointer(managed.ctypes.data) == (
+        int(gpucx.MemoryType.CUDA_MANAGED),
+        0,
+        0xC0,
+    )
+    assert gcuda.device_of(dev.ctypes.data) == 1
+
+
+def test_context_stack(drv):
+    assert drv.current_context() == 0
+    drv.set_current(0xC0)
+    assert drv.current_context() == 0xC0 and drv.context_device() == 0
+    drv.push(0xC1)
+    assert drv.context_device() == 1
+    drv.pop()
+    assert drv.current_context() == 0xC0
+    drv.pop()
+    with pytest.raises(gcuda.DriverError, match="cuCtxPopCurrent: CUDA_ERROR_INVALID"):
+        drv.pop()
+
+
+def test_errors_name_the_call(drv):
+    # No context current: the fake refuses to create an event, like CUDA.
+    with pytest.raises(gcuda.DriverError, match="cuEventCreate: CUDA_ERROR_INVALID"):
+        drv.event_create()
+    with pytest.raises(gcuda.DriverError, match="cuEventQuery"):
+        drv.event_query(0x9999)
+
+
+def test_events_and_wait_stream(drv):
+    drv.set_current(0xC1)
+    drv._lib.fake_set_polls(4)
+    polls = []
+    gcuda.wait_stream(0x77, lambda: polls.append(1), "test")
+    assert len(polls) == 4
+    assert drv._lib.fake_records() == 1
+    assert drv._lib.fake_last_stream() == 0x77
+    gcuda.wait_stream(0x78, None, "test")  # blocking form
+    assert drv._lib.fake_records() == 2
+    assert drv._lib.fake_events() == 1  # the event was reused
+    # No context was current: the only way to pick a device is to ask.
+    with pytest.raises(ValueError, match="2 CUDA devices"):
+        drv._lib.fake_reset()
+        import sys
+
+        saved = sys.modules.pop("cupy", None)
+        try:
+            gcuda.wait_stream(0x79, None, "test")
+        finally:
+            if saved is not None:
+                sys.modules["cupy"] = saved
+
+
+def test_on_device_and_enter(drv):
+    with gcuda.on_device(1) as d:
+        assert d == 1 and drv.current_context() == 0xC1
+    # Nothing was current: the device is left current, as cudaSetDevice does.
+    assert drv.current_context() == 0xC1
+    with gcuda.on_device(0):
+        assert drv.current_context() == 0xC0
+    assert drv.current_context() == 0xC1  # pushed and popped
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        gcuda.on_device(5)
+    buf = np.zeros(4, np.uint8)
+    _register(drv, buf.ctypes.data, 0)
+    pushed = gcuda.enter(buf.ctypes.data)
+    assert pushed and drv.current_context() == 0xC0
+    gcuda.leave(pushed)
+    assert drv.current_context() == 0xC1
+
+
+def test_cai_stream_hook_over_the_bindings(drv):
+    drv._lib.fake_set_polls(3)
+    arr = np.arange(16, dtype=np.uint8)
+    _register(drv, arr.ctypes.data, 1)
+    from fakegpu import FakeCudaArrayV3
+
+    buf = gpucx.mem.as_buffer(FakeCudaArrayV3(arr, stream=0x4444))
+    assert buf.stream == 0x4444
+    assert drv._lib.fake_last_stream() == 0x4444
+    assert drv.current_context() == 0xC1  # the owner's device was made current
+
+
+def test_transfers_with_streams_over_the_bindings(drv, ctx):
+    ctx._cuda_problem = None  # capability forced on (no CUDA transports here)
+    drv._lib.fake_set_polls(2)
+    drv.set_current(0xC0)
+    pair = Pair(ctx)
+    out = bytearray(5)
+    req = pair.b.recv_nb(out, tag=2, stream=FakeCupyStream(0x51))
+    pair.drive(pair.ab.send_nb(b"hello", tag=2, stream=0x52), req)
+    assert out == b"hello"
+    assert drv._lib.fake_records() == 2 and drv._lib.fake_last_stream() == 0x52
+    # An eager active message copied into "device" memory with cuMemcpy.
+    msgs = []
+    pair.b.set_am_handler(3, msgs.append)
+    pair.drive(pair.ab.am_send_nb(3, b"0123456789", proto="eager"))
+    end = time.monotonic() + 10
+    while not msgs:
+        pair.b.progress()
+        assert time.monotonic() < end
+    target = np.zeros(10, np.uint8)
+    _register(drv, target.ctypes.data, 1)
+    assert msgs[0].receive_into(FakeCudaArrayV2(target), stream=0x53).wait(5) == 10
+    assert target.tobytes() == b"0123456789"
+    assert drv._lib.fake_memcpys() == 1 and drv._lib.fake_last_stream() == 0x53
+    assert drv.current_context() == 0xC0  # device 1 was pushed, then popped

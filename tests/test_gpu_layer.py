@@ -1,0 +1,607 @@
+"""The CUDA layer on a machine without a GPU (gpucx.mem.cuda).
+
+What can be proven here is proven here: stream arguments are normalised,
+a context that cannot move CUDA memory says why and every operation on a
+CUDA buffer raises ``UnsupportedError`` before UCX sees it, received arrays
+are allocated where the allocator says, and -- with :class:`FakeDriver`
+standing in for ``libcuda`` and the context's capability forced on (both
+test doubles for the missing GPU) -- that the device is made current and the
+stream waited for (while the worker progresses) *before* the operation is
+posted with the CUDA memory type.  The real thing runs in tests/test_cuda.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import gpucx
+from gpucx.mem import as_buffer
+from gpucx.mem import cuda as gcuda
+from gpucx.mem import region as _region
+from gpucx.ops import am as _am
+from gpucx.ops import arrays as _arrays
+from gpucx.ops import tag as _tag
+
+from conftest import TRANSPORTS, Pair
+from fakegpu import (
+    FakeCudaArrayV2,
+    FakeCudaArrayV3,
+    FakeCupyStream,
+    FakeDLPackCuda,
+    FakeDriver,
+    FakeNumbaStream,
+    FakeTorchStream,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+CUDA = int(gpucx.MemoryType.CUDA)
+HOST = int(gpucx.MemoryType.HOST)
+NO_DRIVER = "no CUDA driver (test double: the driver is hidden)"
+
+
+@pytest.fixture
+def no_driver():
+    """Hide any CUDA driver, so the result is the same on a GPU machine."""
+    previous = gcuda.set_driver(None, NO_DRIVER)
+    yield
+    gcuda.restore_driver(previous)
+
+
+@pytest.fixture
+def fake_driver():
+    """Install a :class:`FakeDriver`; restore the real state afterwards."""
+    drv = FakeDriver()
+    previous = gcuda.set_driver(drv)
+    yield drv
+    gcuda.restore_driver(previous)
+
+
+# -- stream arguments -------------------------------------------------------------
+
+
+class IntLike:
+    """A stream object that only converts with int() (Numba's __int__)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __int__(self):
+        return self._handle
+
+
+@pytest.mark.parametrize(
+    "stream,handle",
+    [
+        (None, None),
+        (0, gcuda.LEGACY_STREAM),
+        (1, 1),
+        (2, 2),
+        (0x7F00_1234, 0x7F00_1234),
+        (FakeCupyStream(0x55), 0x55),
+        (FakeCupyStream(0), gcuda.LEGACY_STREAM),
+        (FakeTorchStream(0x66), 0x66),
+        (FakeNumbaStream(0x77), 0x77),
+        (FakeNumbaStream(None), gcuda.LEGACY_STREAM),
+        (IntLike(0x88), 0x88),
+    ],
+)
+def test_as_stream_normalises(stream, handle):
+    assert gcuda.as_stream(stream) == handle
+
+
+@pytest.mark.parametrize("stream", [True, 1.5, "1", object(), b"\x01"])
+def test_as_stream_rejects_non_streams(stream):
+    with pytest.raises(TypeError, match="stream"):
+        gcuda.as_stream(stream)
+
+
+@pytest.mark.parametrize("stream", [-1, FakeCupyStream(-5), IntLike(-2)])
+def test_as_stream_rejects_negative_handles(stream):
+    with pytest.raises(ValueError, match=">= 0"):
+        gcuda.as_stream(stream)
+
+
+# -- capability ---------------------------------------------------------------------
+
+
+def test_context_says_why_it_cannot_move_cuda(no_driver):
+    with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+        assert ctx.cuda_available is False
+        text = ctx.cuda_problem
+        assert NO_DRIVER in text
+        if gpucx.MemoryType.CUDA not in ctx.memory_types:
+            assert "cuda_copy" in text and "UCX_TLS" in text and "TLS=tcp" in text
+    with pytest.raises(gpucx.ClosedError):
+        _ = ctx.cuda_problem
+
+
+def test_real_driver_loading_reports_missing_library_here():
+    # The real loader, on this machine: no libcuda, so a reason, no crash.
+    previous = gcuda.set_driver(gcuda._UNLOADED)
+    try:
+        drv = gcuda.driver()
+        if drv is None:
+            assert "libcuda.so.1" in gcuda.driver_problem() or "driver" in (
+                gcuda.driver_problem() or ""
+            )
+        else:  # a GPU machine
+            assert drv.device_count() >= 1
+    finally:
+        gcuda.restore_driver(previous)
+
+
+def _host_region_key(pair):
+    region = pair.ctx.register(bytearray(64))
+    return region, pair.ab.unpack(region.remote())
+
+
+def _op(name, pair, rkey):
+    ab, ba, b = pair.ab, pair.ba, pair.b
+    return {
+        "send": lambda x: ab.send(x, tag=1),
+        "send_nb": lambda x: ab.send_nb(x, tag=1),
+        "send_list": lambda x: ab.send_nb([x], tag=1),
+        "recv": lambda x: b.recv(x, tag=1, timeout=1),
+        "recv_nb": lambda x: b.recv_nb(x, tag=1),
+        "recv_list": lambda x: b.recv_nb([x], tag=1),
+        "am_send": lambda x: ab.am_send(5, x),
+        "am_send_nb": lambda x: ab.am_send_nb(5, x),
+        "stream_send": lambda x: ab.stream_send(x),
+        "stream_send_nb": lambda x: ab.stream_send_nb(x),
+        "stream_recv": lambda x: ba.stream_recv(x, timeout=1),
+        "stream_recv_nb": lambda x: ba.stream_recv_nb(x),
+        "put": lambda x: ab.put(x, rkey),
+        "put_nb": lambda x: ab.put_nb(x, rkey),
+        "put_notify": lambda x: ab.put(x, rkey, notify=b"n"),
+        "get": lambda x: ab.get(x, rkey),
+        "get_nb": lambda x: ab.get_nb(x, rkey),
+        "send_array": lambda x: ab.send_array(x),
+        "send_array_nb": lambda x: ab.send_array_nb(x),
+        "register": lambda x: pair.ctx.register(x),
+    }[name]
+
+
+OPS = [
+    "send",
+    "send_nb",
+    "send_list",
+    "recv",
+    "recv_nb",
+    "recv_list",
+    "am_send",
+    "am_send_nb",
+    "stream_send",
+    "stream_send_nb",
+    "stream_recv",
+    "stream_recv_nb",
+    "put",
+    "put_nb",
+    "put_notify",
+    "get",
+    "get_nb",
+    "send_array",
+    "send_array_nb",
+    "register",
+]
+
+
+def _still_works(pair):
+    out = bytearray(3)
+    pair.drive(pair.ab.send_nb(b"abc", tag=9), pair.b.recv_nb(out, tag=9))
+    assert out == b"abc"
+
+
+@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("tls", sorted(TRANSPORTS))
+def test_cuda_buffer_on_context_without_cuda_is_refused(no_driver, tls, name):
+    with gpucx.Context(config=TRANSPORTS[tls]) as ctx:
+        pair = Pair(ctx)
+        _region_, rkey = _host_region_key(pair)
+        fake = FakeCudaArrayV2(np.zeros(16, np.uint8))
+        with pytest.raises(gpucx.UnsupportedError) as err:
+            _op(name, pair, rkey)(fake)
+        assert NO_DRIVER in str(err.value)
+        assert "CUDA memory cannot be moved here" in str(err.value)
+        _still_works(pair)
+
+
+@pytest.mark.parametrize(
+    "name", ["send", "recv_nb", "put", "get_nb", "am_send", "stream_recv"]
+)
+def test_stream_without_driver_is_refused(no_driver, pair, name):
+    _region_, rkey = _host_region_key(pair)
+    ab, b = pair.ab, pair.b
+    call = {
+        "send": lambda: ab.send(b"x" * 8, tag=1, stream=1),
+        "recv_nb": lambda: b.recv_nb(bytearray(8), tag=1, stream=FakeCupyStream(9)),
+        "put": lambda: ab.put(b"x" * 8, rkey, stream=2),
+        "get_nb": lambda: ab.get_nb(bytearray(8), rkey, stream=FakeTorchStream(7)),
+        "am_send": lambda: ab.am_send(5, b"x" * 8, stream=FakeNumbaStream(3)),
+        "stream_recv": lambda: pair.ba.stream_recv(bytearray(8), stream=1),
+    }[name]
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA stream needs no CUDA"):
+        call()
+    _still_works(pair)
+
+
+@pytest.mark.parametrize("stream,exc", [(object(), TypeError), (-3, ValueError)])
+@pytest.mark.parametrize("name", ["send", "send_nb", "recv", "stream_send", "put"])
+def test_bad_stream_is_refused_before_posting(pair, name, stream, exc):
+    _region_, rkey = _host_region_key(pair)
+    ab, b = pair.ab, pair.b
+    call = {
+        "send": lambda: ab.send(b"x" * 8, tag=1, stream=stream),
+        "send_nb": lambda: ab.send_nb(b"x" * 8, tag=1, stream=stream),
+        "recv": lambda: b.recv(bytearray(8), tag=1, stream=stream),
+        "stream_send": lambda: ab.stream_send(b"x" * 8, stream=stream),
+        "put": lambda: ab.put(b"x" * 8, rkey, stream=stream),
+    }[name]
+    with pytest.raises(exc, match="stream"):
+        call()
+    _still_works(pair)
+
+
+def test_allocate_cuda_without_cuda_refused_allocator_not_called(no_driver, ctx):
+    calls = []
+    with pytest.raises(gpucx.UnsupportedError, match="allocate: CUDA memory"):
+        ctx.allocate(64, gpucx.MemoryType.CUDA, allocator=lambda *a: calls.append(a))
+    with pytest.raises(gpucx.UnsupportedError, match="no CUDA driver"):
+        ctx.allocate(64, gpucx.MemoryType.CUDA_MANAGED)
+    assert calls == []
+
+
+def test_allocate_host_rejects_device_and_allocator(ctx):
+    with pytest.raises(ValueError, match="apply to CUDA memory"):
+        ctx.allocate(64, device=0)
+    with pytest.raises(ValueError, match="apply to CUDA memory"):
+        ctx.allocate(64, allocator=bytearray)
+
+
+# -- received arrays: where they are allocated ------------------------------------
+
+
+def _send_cuda_labelled(pair, nbytes=64):
+    """An array message whose header says CUDA (the payload is host bytes)."""
+    header = _arrays._pack("<u1", (nbytes,), CUDA)
+    payload = bytes(range(nbytes))
+    flags = _am._flags(True, "rndv")
+    # Rendezvous: the send completes once the receiver took the data.
+    send = _am._send_nb(pair.ab, _am.ARRAY_AM_ID, payload, header, flags)
+    end = time.monotonic() + 10
+    while not pair.b._am.arrays:
+        pair.a.progress()
+        pair.b.progress()
+        assert time.monotonic() < end
+    pair.sends = [send]
+    return payload
+
+
+def _recv_while_sending(pair, allocator, **kw):
+    """recv_array on b while a thread progresses a (the rendezvous sender)."""
+    import threading
+
+    stop = threading.Event()
+
+    def progress_sender():
+        while not stop.is_set():
+            pair.a.progress()
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=progress_sender, daemon=True)
+    t.start()
+    try:
+        return pair.ba.recv_array(timeout=5, allocator=allocator, **kw)
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def test_recv_array_routes_cuda_data_to_the_allocator(pair):
+    payload = _send_cuda_labelled(pair)
+    calls = []
+
+    def allocator(nbytes, memory_type):
+        calls.append((nbytes, memory_type))
+        return bytearray(nbytes)  # host memory: allowed, the array lands here
+
+    out = _recv_while_sending(pair, allocator)
+    assert calls == [(len(payload), CUDA)]
+    assert bytes(out) == payload
+
+
+def test_recv_array_into_cuda_here_is_refused_and_stays_queued(no_driver, pair):
+    payload = _send_cuda_labelled(pair)
+    fake = []
+
+    def cuda_allocator(nbytes, memory_type):
+        fake.append(FakeCudaArrayV2(np.zeros(nbytes, np.uint8)))
+        return fake[-1]
+
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot be moved"):
+        pair.ba.recv_array(timeout=5, allocator=cuda_allocator)
+    assert len(fake) == 1
+    out = _recv_while_sending(pair, lambda n, mt: bytearray(n))
+    assert bytes(out) == payload
+
+
+def test_recv_array_device_needs_a_driver(no_driver, pair):
+    _send_cuda_labelled(pair)
+    with pytest.raises(gpucx.UnsupportedError, match="device"):
+        pair.ba.recv_array(timeout=5, allocator=lambda n, mt: bytearray(n), device=0)
+
+
+# -- with a fake driver: what happens before the post ------------------------------
+
+
+class _Posted(Exception):
+    """Raised by the post spy instead of handing fake device memory to UCX."""
+
+
+class PostSpy:
+    """Wraps the extension module of an ops module: records the post calls
+    named in ``names`` with their memory type and raises :class:`_Posted`
+    (host memory posing as CUDA must not reach UCX); passes the rest on."""
+
+    def __init__(self, lib, names, events, mt_index):
+        self._lib = lib
+        self._names = names
+        self._events = events
+        self._mt_index = mt_index
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name not in self._names:
+            return attr
+
+        def post(*args):
+            self._events.append(("post", name, args[self._mt_index]))
+            raise _Posted(name)
+
+        return post
+
+
+def _cuda_capable(ctx):
+    """Force the capability on (double for a GPU machine's context)."""
+    ctx._cuda_problem = None
+
+
+def _address(arr):
+    return arr.__array_interface__["data"][0]
+
+
+def _setup_fake(fake_driver, pair, monkeypatch, arr, device=1, polls=3):
+    _cuda_capable(pair.ctx)
+    fake_driver.pointers[_address(arr)] = (CUDA, device, 0xC0 + device)
+    fake_driver.polls = polls
+    events = []
+    fake_driver.observer = lambda call: events.append(call)
+    monkeypatch.setattr(pair.a, "progress", lambda: events.append(("progress",)) or 0)
+    return events
+
+
+@pytest.mark.parametrize(
+    "stream,handle", [(FakeCupyStream(0x77), 0x77), (FakeNumbaStream(None), 1), (2, 2)]
+)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_send_waits_for_stream_with_progress_then_posts_cuda(
+    fake_driver, pair, monkeypatch, stream, handle, blocking
+):
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr)
+    names = {"gpucx_tag_send_wait", "gpucx_tag_send"}
+    monkeypatch.setattr(
+        _tag, "lib", PostSpy(_tag.lib, names, events, 5 if blocking else 4)
+    )
+    call = pair.ab.send if blocking else pair.ab.send_nb
+    with pytest.raises(_Posted):
+        call(FakeCudaArrayV2(arr), tag=3, stream=stream)
+    kinds = [e[0] for e in events]
+    # The owner's context became current (none was), then the stream was
+    # waited for with progress between polls, then the post, with CUDA.
+    assert ("set_current", 0xC1) in events
+    assert kinds.index("set_current") < kinds.index("event_record")
+    record = next(e for e in events if e[0] == "event_record")
+    assert record[2] == handle
+    queries = [e for e in events if e[0] == "event_query"]
+    assert [q[2] for q in queries] == [False, False, False, True]
+    assert kinds.count("progress") == 3
+    post = kinds.index("post")
+    assert post == len(kinds) - 1 and post > kinds.index("event_query") + 3
+    assert events[post][2] == CUDA
+
+
+def test_other_current_context_is_pushed_and_popped(fake_driver, pair, monkeypatch):
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, device=1, polls=0)
+    fake_driver.current = 0xC0  # device 0 current in this thread
+    names = {"gpucx_tag_send_wait"}
+    monkeypatch.setattr(_tag, "lib", PostSpy(_tag.lib, names, events, 5))
+    with pytest.raises(_Posted):
+        pair.ab.send(FakeCudaArrayV2(arr), tag=3)
+    kinds = [e[0] for e in events]
+    assert ("push", 0xC1) in events
+    assert kinds.index("push") < kinds.index("post") < kinds.index("pop")
+    assert "event_record" not in kinds  # no stream given, none waited for
+    assert fake_driver.current == 0xC0
+
+
+def test_cai_v3_stream_is_synchronized_before_the_post(fake_driver, pair, monkeypatch):
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=2)
+    names = {"gpucx_tag_send_wait"}
+    monkeypatch.setattr(_tag, "lib", PostSpy(_tag.lib, names, events, 5))
+    with pytest.raises(_Posted):
+        pair.ab.send(FakeCudaArrayV3(arr, stream=0x99), tag=3)
+    kinds = [e[0] for e in events]
+    record = next(e for e in events if e[0] == "event_record")
+    assert record[2] == 0x99
+    assert kinds.index("event_synchronize") < kinds.index("post")
+    assert events[-1] == ("post", "gpucx_tag_send_wait", CUDA)
+
+
+def test_dlpack_gets_the_consumer_stream_not_minus_one(fake_driver, pair, monkeypatch):
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=0)
+    names = {"gpucx_tag_send"}
+    monkeypatch.setattr(_tag, "lib", PostSpy(_tag.lib, names, events, 4))
+    producer = FakeDLPackCuda(arr, device=(2, 1))
+    with pytest.raises(_Posted):
+        pair.ab.send_nb(producer, tag=3, stream=FakeTorchStream(0x4242))
+    assert producer.streams == [0x4242]
+    recorded = [e[2] for e in events if e[0] == "event_record"]
+    assert recorded and set(recorded) == {0x4242}
+    assert events[-1] == ("post", "gpucx_tag_send", CUDA)
+
+
+def test_events_are_reused(fake_driver, pair, monkeypatch):
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=0)
+    monkeypatch.setattr(_tag, "lib", PostSpy(_tag.lib, {"gpucx_tag_send"}, events, 4))
+    for _ in range(3):
+        with pytest.raises(_Posted):
+            pair.ab.send_nb(FakeCudaArrayV2(arr), stream=5)
+    kinds = [e[0] for e in events]
+    assert kinds.count("event_record") == 3
+    assert kinds.count("event_create") == 1
+
+
+def test_host_buffer_with_stream_waits_then_posts_host(fake_driver, pair):
+    # A host receive target still waits for the stream (a kernel or copy may
+    # be reading it); the transfer is real and completes.
+    _cuda_capable(pair.ctx)
+    fake_driver.polls = 2
+    fake_driver.devices = 1
+    out = bytearray(4)
+    req = pair.b.recv_nb(out, tag=4, stream=FakeCupyStream(0x31))
+    pair.drive(pair.ab.send_nb(b"wxyz", tag=4, stream=0x32), req)
+    assert out == b"wxyz"
+    records = [c[2] for c in fake_driver.calls if c[0] == "event_record"]
+    assert records == [0x31, 0x32]
+    # No context was current and no device owns host memory: with one
+    # device there is no ambiguity; with two (and no CuPy) gpucx asks.
+    assert ("set_current", 0xC0) in fake_driver.calls
+    fake_driver.devices, fake_driver.current = 2, 0
+    import sys
+
+    saved = sys.modules.pop("cupy", None)
+    try:
+        with pytest.raises(ValueError, match="none is current"):
+            pair.ab.send_nb(b"wxyz", tag=4, stream=0x33)
+    finally:
+        if saved is not None:
+            sys.modules["cupy"] = saved
+
+
+def test_allocate_routes_to_allocator_on_the_device(fake_driver, ctx, monkeypatch):
+    _cuda_capable(ctx)
+    seen = []
+
+    def allocator(nbytes, memory_type):
+        seen.append((nbytes, memory_type, fake_driver.current))
+        return FakeCudaArrayV2(np.zeros(nbytes, np.uint8))
+
+    def register(context, obj):
+        seen.append(("register", as_buffer(obj).memory_type))
+        return _region.MemoryRegion(
+            context, 0, 0, gpucx.MemoryType.CUDA, False, obj, False
+        )
+
+    monkeypatch.setattr(_region, "register", register)
+    region = ctx.allocate(48, gpucx.MemoryType.CUDA, device=1, allocator=allocator)
+    assert seen == [(48, CUDA, 0xC1), ("register", gpucx.MemoryType.CUDA)]
+    assert region._alloc is True
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        ctx.allocate(48, gpucx.MemoryType.CUDA, device=2, allocator=allocator)
+
+
+def test_allocator_returning_too_little_is_refused(fake_driver, ctx):
+    _cuda_capable(ctx)
+    with pytest.raises(ValueError, match="returned 8 bytes; 48"):
+        ctx.allocate(
+            48,
+            gpucx.MemoryType.CUDA,
+            device=0,
+            allocator=lambda n, mt: FakeCudaArrayV2(np.zeros(8, np.uint8)),
+        )
+
+
+def test_current_device_never_assumes_device_zero(fake_driver):
+    fake_driver.current = 0xC1
+    assert gcuda.current_device() == 1
+    fake_driver.current = 0
+    fake_driver.devices = 1
+    assert gcuda.current_device() == 0
+    fake_driver.devices = 3
+    import sys
+
+    saved = sys.modules.pop("cupy", None)
+    try:
+        with pytest.raises(ValueError, match="3 CUDA devices and none is current"):
+            gcuda.current_device()
+    finally:
+        if saved is not None:
+            sys.modules["cupy"] = saved
+
+
+def test_aio_passes_stream_through(no_driver, ctx):
+    import asyncio
+
+    import gpucx.aio
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            ep = await w.aconnect(w.worker.address)
+            with pytest.raises(gpucx.UnsupportedError, match="CUDA stream"):
+                await ep.asend(b"abc", tag=1, stream=FakeCupyStream(5))
+            with pytest.raises(gpucx.UnsupportedError, match="CUDA stream"):
+                await w.arecv(bytearray(3), tag=1, stream=1)
+            got = bytearray(3)
+            recv = asyncio.ensure_future(w.arecv(got, tag=2))
+            await ep.asend(b"xyz", tag=2)
+            await recv
+            assert got == b"xyz"
+
+    asyncio.run(main())
+
+
+def _eager_message(pair, payload):
+    msgs = []
+    pair.b.set_am_handler(7, msgs.append)
+    pair.drive(pair.ab.am_send_nb(7, payload, proto="eager"))
+    end = time.monotonic() + 10
+    while not msgs:
+        pair.b.progress()
+        assert time.monotonic() < end
+    assert not msgs[0].is_rndv
+    return msgs[0]
+
+
+def test_eager_am_into_cuda_here_is_refused_and_kept(no_driver, pair):
+    msg = _eager_message(pair, b"0123456789")
+    fake = FakeCudaArrayV2(np.zeros(10, np.uint8))
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot be moved"):
+        msg.receive_into(fake)
+    out = bytearray(10)
+    assert msg.receive_into(out).wait(5) == 10
+    assert out == b"0123456789"
+
+
+def test_eager_am_into_cuda_is_copied_by_the_driver(fake_driver, pair):
+    _cuda_capable(pair.ctx)
+    msg = _eager_message(pair, b"0123456789")
+    arr = np.zeros(10, np.uint8)
+    fake_driver.pointers[_address(arr)] = (CUDA, 1, 0xC1)
+    fake_driver.polls = 1
+    assert msg.receive_into(FakeCudaArrayV2(arr), stream=0x5A).wait(5) == 10
+    assert arr.tobytes() == b"0123456789"
+    kinds = fake_driver.names()
+    # device current, stream waited for, then the copy
+    assert kinds.index("set_current") < kinds.index("event_record")
+    assert kinds.index("event_record") < kinds.index("memcpy")
+    assert ("memcpy", _address(arr)) == fake_driver.calls[kinds.index("memcpy")][:2]
+    with pytest.raises(RuntimeError, match="already received"):
+        msg.receive_into(bytearray(10))
