@@ -77,6 +77,13 @@ class RemoteMemory:
     readonly : bool
         The owner exported the region for reading only: puts and atomics
         are refused.
+
+    Raises
+    ------
+    ValueError
+        (constructor) For a negative address or size, a region that wraps
+        the 64-bit address space, an empty rkey or one over 65536 bytes,
+        or an unknown memory type.
     """
 
     __slots__ = ("address", "nbytes", "memory_type", "rkey", "readonly")
@@ -94,10 +101,24 @@ class RemoteMemory:
         rkey: bytes,
         readonly: bool = False,
     ):
-        object.__setattr__(self, "address", int(address))
-        object.__setattr__(self, "nbytes", int(nbytes))
+        address = int(address)
+        nbytes = int(nbytes)
+        rkey = bytes(rkey)
+        # The same limits from_bytes enforces: a token made here from a
+        # peer's fields must not reach UCX with an impossible region.
+        if address < 0 or nbytes < 0 or address + nbytes > _U64:
+            raise ValueError(
+                f"remote memory: region {address:#x} + {nbytes} bytes is outside "
+                "the 64-bit address space"
+            )
+        if not 0 < len(rkey) <= MAX_RKEY_LEN:
+            raise ValueError(
+                f"remote memory: rkey length {len(rkey)} outside 1..{MAX_RKEY_LEN}"
+            )
+        object.__setattr__(self, "address", address)
+        object.__setattr__(self, "nbytes", nbytes)
         object.__setattr__(self, "memory_type", MemoryType(memory_type))
-        object.__setattr__(self, "rkey", bytes(rkey))
+        object.__setattr__(self, "rkey", rkey)
         object.__setattr__(self, "readonly", bool(readonly))
 
     def __setattr__(self, name, value):

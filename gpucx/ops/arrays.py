@@ -22,6 +22,8 @@ Header layout (little endian), format version 1::
 
 from __future__ import annotations
 
+import functools
+import re
 import struct
 import time
 from collections import deque
@@ -95,10 +97,53 @@ def _pack(typestr: str, shape, memtype: int) -> bytes:
     )
 
 
-def _unpack(header: bytes):
-    """(dtype str, shape, memtype) or raise ValueError naming what is wrong."""
-    if len(header) < _FIXED.size:
-        raise ValueError(f"array header of {len(header)} bytes is too short")
+# A dtype string as NumPy's ``dtype.str`` writes it for the kinds gpucx sends:
+# byte order, kind, item size, and a unit for datetime/timedelta.  Anything
+# else (object "O", structured "i4,f8", subarray "(2,)f8", names) is refused
+# before NumPy parses it.
+_TYPESTR = re.compile(
+    rb"[<>|=]?[biufcSUV][0-9]{1,9}|[<>|=]?[mM]8(\[[0-9]{0,9}[a-zA-Z]{1,2}\])?"
+)
+_MEMTYPES = frozenset(int(m) for m in MemoryType)
+_INTP_MAX = (1 << 63) - 1
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype(typestr: bytes):
+    """The NumPy dtype of a header's dtype string, or ValueError."""
+    import numpy as np
+
+    if _TYPESTR.fullmatch(typestr) is None:
+        raise ValueError(f"array header dtype {typestr!r} is not a plain dtype")
+    try:
+        dt = np.dtype(typestr.decode("ascii"))
+    except (TypeError, ValueError, OverflowError, MemoryError) as exc:
+        raise ValueError(f"array header dtype {typestr!r}: {exc}") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
+        raise ValueError(f"array header dtype {typestr!r} is not a plain dtype")
+    if dt.itemsize == 0:
+        raise ValueError(f"array header dtype {typestr!r} has no size")
+    return dt
+
+
+def parse_header(header: bytes, nbytes: int):
+    """Check an array header against the payload size; return
+    ``(dtype, shape, memory_type)``.
+
+    A pure function over bytes from the peer: it allocates nothing of the
+    sizes it reads, so a hostile header costs no memory.
+
+    Raises
+    ------
+    ValueError
+        Naming what is wrong: short or long header, magic, version, unknown
+        memory type, too many dimensions, a dtype string that is not a plain
+        NumPy dtype (object, structured and subarray dtypes are refused), or
+        a shape whose byte count is not ``nbytes``.
+    """
+    n = len(header)
+    if n < _FIXED.size:
+        raise ValueError(f"array header of {n} bytes is too short")
     magic, version, memtype, _order, ndim, dtlen = _FIXED.unpack_from(header)
     if magic != _MAGIC:
         raise ValueError(f"array header magic {magic!r} is not {_MAGIC!r}")
@@ -106,12 +151,33 @@ def _unpack(header: bytes):
         raise ValueError(
             f"array header format version {version} (this gpucx reads {FORMAT_VERSION})"
         )
+    if memtype not in _MEMTYPES:
+        raise ValueError(f"array header memory type {memtype} is unknown")
+    if ndim > _MAX_NDIM:
+        raise ValueError(f"array header has {ndim} dimensions (at most {_MAX_NDIM})")
     end = _FIXED.size + dtlen
-    if len(header) != end + 8 * ndim:
-        raise ValueError("array header length does not match its ndim/dtype")
-    typestr = header[_FIXED.size : end].decode()
+    if n != end + 8 * ndim:
+        raise ValueError(
+            f"array header length {n} does not match its ndim {ndim} and "
+            f"dtype length {dtlen}"
+        )
+    dt = _dtype(bytes(header[_FIXED.size : end]))
     shape = struct.unpack_from(f"<{ndim}Q", header, end)
-    return typestr, shape, memtype
+    # Python ints: a product of 64 huge dimensions cannot overflow.  NumPy
+    # (and CuPy) refuse a shape whose non-zero dimensions multiply past the
+    # largest intp, even when another dimension is 0.
+    count = span = 1
+    for d in shape:
+        count *= d
+        span *= d or 1
+    if span * dt.itemsize > _INTP_MAX:
+        raise ValueError(f"array header shape {shape} of {dt.str} is too big")
+    if count * dt.itemsize != nbytes:
+        raise ValueError(
+            f"array header says shape {shape} of {dt.str} ({count * dt.itemsize} "
+            f"bytes) but the message carries {nbytes} bytes"
+        )
+    return dt, shape, memtype
 
 
 def _prepare(ep, arr):
@@ -317,19 +383,21 @@ def recv_array(
             raise ep.error  # UCX reported the peer failed (PeerError)
         pending = q.get(key)
     msg = pending[0]
+    nbytes = msg.nbytes
     try:
-        typestr, shape, memtype = _unpack(msg.header)
+        dtype, shape, memtype = parse_header(msg.header, nbytes)
     except ValueError as exc:
         pending.popleft()._drop()
+        if not pending:
+            del q[key]
         raise ValueError(f"recv_array: malformed array message: {exc}") from None
-    nbytes = msg.nbytes
     raw = _allocate(allocator, nbytes, memtype, device)
     # Posting first: a receive that cannot start leaves the message queued.
     req = msg.receive_into(raw, stream=stream)
     pending.popleft()
     if not pending:
         del q[key]
-    out = _as_array(raw, typestr, shape, memtype, nbytes)
+    out = _as_array(raw, dtype, shape, memtype, nbytes)
     # The array is here: give its transfer at least a second.
     rest = None if deadline is None else max(1.0, deadline - time.monotonic())
     req.wait(rest)
