@@ -53,9 +53,12 @@ RecvInfo = namedtuple("RecvInfo", ["tag", "nbytes"])
 RecvInfo.__doc__ = "What a tag receive got: the sender's ``tag`` and ``nbytes``."
 
 
+_SLOT_P = ffi.typeof("gpucx_slot_t *")
+
+
 def new_slot():
     """A fresh completion slot (C memory owned by the returned cdata)."""
-    return ffi.new("gpucx_slot_t *")
+    return ffi.new(_SLOT_P)
 
 
 def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
@@ -234,7 +237,7 @@ class Request:
             except UCXError as exc:
                 self._value = exc
         self._keep = None
-        self._worker._untrack(self)
+        self._worker._pending.discard(self)
 
     def _fail(self, exc: UCXError) -> None:
         """Settle as failed while UCX still holds the operation (the caller
@@ -286,7 +289,9 @@ class Request:
                         self._complete()
                     raise
             self._complete()
-        return self.result()
+        if self._state == 1:
+            return self._value
+        raise self._value
 
     def result(self):
         """The result of a finished request (raises its error if it failed).

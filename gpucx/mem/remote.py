@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import struct
 import time
-import weakref
 import zlib
 
 from .._handle import Handle, raise_closed, time_left
@@ -273,7 +272,10 @@ class RemoteKey(Handle):
         self._h = out[0]
         self.remote = remote
         self.endpoint = ep
-        self._ops: weakref.WeakSet = weakref.WeakSet()
+        # The bounds every access is checked against (read on each op).
+        self._base = remote.address
+        self._size = remote.nbytes
+        self._readonly = remote.readonly
         ep._adopt(self)
 
     def __repr__(self) -> str:
@@ -305,22 +307,42 @@ class RemoteKey(Handle):
                 f"{what}: this RemoteKey was unpacked on {self.endpoint!r}, not "
                 f"{ep!r}; unpack the token on each endpoint"
             )
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(
-                f"{what}: offset must be an int, not {type(offset).__name__}"
-            )
-        size = self.remote.nbytes
+        if type(offset) is not int:
+            if not isinstance(offset, int) or isinstance(offset, bool):
+                raise TypeError(
+                    f"{what}: offset must be an int, not {type(offset).__name__}"
+                )
+            offset = int(offset)
+        size = self._size
         if offset < 0 or nbytes < 0 or offset + nbytes > size:
             raise ValueError(
                 f"{what}: offset={offset} nbytes={nbytes} is outside the remote "
                 f"region of {size} bytes"
             )
-        if write and self.remote.readonly:
+        if write and self._readonly:
             raise ValueError(f"{what}: the remote region was exported read-only")
-        return self.remote.address + offset
+        return self._base + offset
+
+    def _pending_ops(self) -> list:
+        """This key's RMA/atomic requests still in UCX's hands.
+
+        Requests of ``put_nb``/``get_nb``/atomics keep ``(buffer, key, ...)``
+        while pending; the worker tracks every pending request.
+        """
+        out = []
+        for r in self.endpoint._w._pending:
+            keep = r._keep
+            if (
+                type(keep) is tuple
+                and len(keep) > 1
+                and keep[1] is self
+                and r._slot.status == INPROGRESS
+            ):
+                out.append(r)
+        return out
 
     def _release(self) -> None:
-        pending = [r for r in self._ops if r._slot.status == INPROGRESS]
+        pending = self._pending_ops()
         ep = self.endpoint
         w = ep._w
         if pending and w._h is not None:

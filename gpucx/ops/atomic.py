@@ -103,7 +103,6 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what):
     else:
         finish = None
     req = Request(ep._w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep)
-    rkey._ops.add(req)
     return req
 
 

@@ -217,7 +217,6 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
         req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
     if cu:
         _cuda.leave(cu)
-    rkey._ops.add(req)
     return req
 
 
@@ -284,7 +283,6 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     if cu:
         _cuda.leave(cu)
     req = Request(ep._w, slot, (keep, rkey), _GET, None, ep)
-    rkey._ops.add(req)
     return req
 
 
