@@ -41,3 +41,20 @@ def test_every_public_name_is_documented():
     for cls in (gpucx.aio.Worker, gpucx.aio.Endpoint, gpucx.aio.ProgressThread):
         missing += _undocumented(f"gpucx.aio.{cls.__name__}", cls)
     assert missing == []
+
+
+def test_reliability_promises_point_at_real_tests():
+    """Every test and test file docs/reliability.md names exists, so a
+    promise cannot outlive the test that holds gpucx to it."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "reliability.md").read_text()
+    sources = "\n".join(p.read_text() for p in (root / "tests").rglob("*.py"))
+    names = set(re.findall(r"\b(test_\w+)(?![\w.])", text))
+    paths = set(re.findall(r"`(tests/[\w/]+\.py|benchmarks/[\w/]+\.py)", text))
+    assert len(names) > 20 and paths
+    missing = [n for n in sorted(names) if f"def {n}(" not in sources]
+    missing += [p for p in sorted(paths) if not (root / p).is_file()]
+    assert missing == []
