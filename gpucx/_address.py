@@ -45,17 +45,22 @@ class Identity(NamedTuple):
     pidns: int  # inode of /proc/self/ns/pid (0 when unknown)
 
 
-def proc_start_time(pid: int | str = "self") -> int | None:
-    """Start time of ``pid`` in clock ticks after boot, or None if gone."""
+def proc_stat(pid: int | str = "self") -> list[bytes] | None:
+    """Fields 3.. of ``/proc/<pid>/stat`` (state first), or None if gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     # The command name (field 2) may hold spaces and parentheses: split after
-    # the last ')'.  Field 3 is then index 0, field 22 index 19.
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return int(fields[19])
+    # the last ')'.  Field 3 (state) is then index 0, field 22 index 19.
+    return stat[stat.rfind(b")") + 2 :].split()
+
+
+def proc_start_time(pid: int | str = "self") -> int | None:
+    """Start time of ``pid`` in clock ticks after boot, or None if gone."""
+    fields = proc_stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def _boot_id() -> bytes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 
+from ._address import proc_stat
 from ._lib import lib
 from .errors import PeerError
 from .request import INPROGRESS, new_slot
@@ -31,12 +32,7 @@ PROGRESS_STRIDE = 256
 
 def proc_alive(pid: int, start_time: int) -> bool:
     """True while process ``pid`` started at ``start_time`` is alive."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2 :].split()
+    fields = proc_stat(pid)
     if not fields or fields[0] in (b"Z", b"X", b"x"):
         return False
     return int(fields[19]) == start_time
