@@ -1,0 +1,57 @@
+"""A fixed active-message workload for instruction counts.
+
+Wall-clock figures on the development VM swing between fast and slow
+periods; instruction counts do not. Run this under callgrind at two counts
+and subtract to get the instructions one message costs (sender and
+receiver workers in one process, forced rendezvous, handler plus
+``receive_into`` plus both waits)::
+
+    valgrind --tool=callgrind --callgrind-out-file=cg.200 \\
+        python benchmarks/am_instructions.py 200
+    valgrind --tool=callgrind --callgrind-out-file=cg.1200 \\
+        python benchmarks/am_instructions.py 1200
+    # per message = (total of cg.1200 - total of cg.200) / 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import gpucx
+
+AM_ID = 7
+
+
+def run(count: int, size: int) -> None:
+    with gpucx.Context(config={"TLS": "sm,self"}) as ctx:
+        a, b = ctx.create_worker(), ctx.create_worker()
+        ab = a.connect(b.address, error_handling=False)
+        ba = b.connect(a.address, error_handling=False)
+        inbox: list = []
+        b.set_am_handler(AM_ID, inbox.append)
+        sbuf = np.ones(size, np.uint8)
+        rbuf = np.empty(size, np.uint8)
+        for _ in range(count):
+            req = ab.am_send_nb(AM_ID, sbuf, proto="rndv")
+            while not inbox:
+                b.progress()
+                a.progress()
+            inbox.pop(0).receive_into(rbuf).wait(10)
+            req.wait(10)
+        assert rbuf[0] == 1 and rbuf[-1] == 1
+        ba.close()
+        ab.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("count", type=int, help="messages to send")
+    p.add_argument("--size", type=int, default=8192, help="payload bytes")
+    args = p.parse_args()
+    run(args.count, args.size)
+
+
+if __name__ == "__main__":
+    main()
