@@ -82,3 +82,16 @@ def test_soak_measure_sees_leaks():
     assert r["rss_drift"] >= soak.RSS_LIMIT
     assert r["fd_drift"] == 2
     assert not soak.within_target(r)
+
+
+@pytest.mark.timeout(60)
+def test_am_instructions_workload_runs():
+    """``benchmarks/am_instructions.py`` (the fixed workload measured under
+    callgrind) keeps working: it sends, receives and checks its payload."""
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "am_instructions.py"), "50"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
