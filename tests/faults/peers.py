@@ -7,6 +7,7 @@ peer creates its own Context, which gpucx allows in a forked child.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -37,6 +38,19 @@ def start(role: str, tls: str, via_listener: bool = False):
     p.start()
     b.close()
     return p, Channel(a)
+
+
+@contextlib.contextmanager
+def started(role: str, tls: str, via_listener: bool = False):
+    """:func:`start` as a context manager that reaps the peer on the way
+    out (killing it if the test left it alive)."""
+    proc, chan = start(role, tls, via_listener)
+    try:
+        yield proc, chan
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
 
 
 def kill(proc) -> None:

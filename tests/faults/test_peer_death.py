@@ -18,7 +18,7 @@ import pytest
 
 import gpucx
 
-from .peers import AM_ID, BIG, handshake, kill, serve_new_peer, start
+from .peers import AM_ID, BIG, handshake, kill, serve_new_peer, started
 from conftest import transport_config
 
 #: Longest a pending operation may take to fail once its peer is dead.
@@ -196,8 +196,7 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
         msgs: list = []
         w.set_am_handler(AM_ID, msgs.append)
         for _ in range(rounds):
-            proc, chan = start(role, tls)
-            try:
+            with started(role, tls) as (proc, chan):
                 ep, remote = handshake(w, chan, error_handling=op != "atomic")
                 t0 = time.monotonic()
                 case(w, ep, remote, proc, msgs, chan)
@@ -207,10 +206,6 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
                 with pytest.raises(gpucx.PeerError):
                     ep.send(np.ones(BIG, np.uint8), tag=6)
                 ep.close()
-            finally:
-                if proc.is_alive():
-                    proc.kill()
-                proc.join(10)
         # A third process: served as if nothing happened.
         serve_new_peer(w, tls)
         w.progress()
@@ -256,8 +251,7 @@ def test_listener_endpoint_reports_death(tls):
         w = ctx.create_worker()
         with w.listen(host="127.0.0.1") as lst:
             for _ in range(ROUNDS):
-                proc, chan = start("idle", tls, via_listener=True)
-                try:
+                with started("idle", tls, via_listener=True) as (proc, chan):
                     ep, _ = handshake(w, chan, listener=lst)
                     assert not w._watched
                     req = ep.send_nb(np.ones(BIG, np.uint8), tag=5)
@@ -267,10 +261,6 @@ def test_listener_endpoint_reports_death(tls):
                         req.wait(BOUND_S)
                     assert time.monotonic() - t0 < BOUND_S
                     ep.close()
-                finally:
-                    if proc.is_alive():
-                        proc.kill()
-                    proc.join(10)
         serve_new_peer(w, tls)
         assert not w._pending and not w._parked
 
