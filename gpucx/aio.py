@@ -145,9 +145,14 @@ class _Driver:
 
     def _settle(self) -> None:
         if self._canceled:
-            for req in [r for r in self._canceled if r._slot.status != INPROGRESS]:
+            # (A settled request's slot may already serve another message.)
+            done = [
+                r for r in self._canceled if r._state or r._slot.status != INPROGRESS
+            ]
+            for req in done:
                 self._canceled.discard(req)
-                req._complete()
+                if not req._state:
+                    req._complete()
         if self._waiters:
             done = [
                 r for r in self._waiters if r._state or r._slot.status != INPROGRESS

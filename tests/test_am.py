@@ -453,3 +453,64 @@ def test_internal_handlers_on_reserved_ids(pair):
             _am.set_internal_handler(pair.b, bad, print)
     with pytest.raises(ValueError, match="reserved"):
         _am.send_internal_nb(pair.ab, 5, b"x")
+
+
+# -- message records are pooled: reuse never touches a live message ---------------
+
+
+def test_held_messages_and_views_survive_record_reuse(pair):
+    """Messages kept by the user, and views of their data, stay intact while
+    hundreds of later messages go through the worker's record pool."""
+    got = collect(pair.b, 4)
+    kept, views = [], []
+    for i in range(300):
+        payload = bytes([i % 251]) * (1 + i % 64)
+        hdr = i.to_bytes(2, "little")
+        pair.drive(pair.ab.am_send_nb(4, payload, header=hdr, proto="eager"))
+        pump(pair, lambda: got)
+        msg = got.pop()
+        if i % 7 == 0:
+            kept.append((i, msg))
+        elif i % 11 == 0:
+            views.append((i, msg.data))
+        del msg
+    for i, msg in kept:
+        assert msg.header == i.to_bytes(2, "little")
+        assert bytes(msg.data) == bytes([i % 251]) * (1 + i % 64)
+    for i, view in views:
+        assert bytes(view) == bytes([i % 251]) * (1 + i % 64)
+    am = pair.b._am
+    assert len(am.held) == len(kept) + len(views)
+    del kept, views, msg, view
+    assert not am.held  # every record went back
+    assert len(am.free) <= _am._POOL_MAX
+
+
+def test_dropped_message_with_receive_in_flight_keeps_its_record(pair):
+    """The handler drops the message right after receive_into: the pending
+    receive holds it, so later messages cannot reuse its completion slot."""
+    n = 1 << 20
+    srcs = [np.full(n, k, np.uint8) for k in range(1, 9)]
+    dsts = [np.zeros(n, np.uint8) for _ in srcs]
+    reqs = []
+    pair.b.set_am_handler(6, lambda msg: reqs.append(msg.receive_into(dsts[len(reqs)])))
+    sends = [pair.ab.am_send_nb(6, s, proto="rndv") for s in srcs]
+    pump(pair, lambda: len(reqs) == len(srcs))
+    assert [n] * len(srcs) == [r for r, *_ in [pair.drive(r, timeout=30) for r in reqs]]
+    pair.drive(*sends)
+    for k, dst in enumerate(dsts, 1):
+        assert (dst == k).all()
+    assert not pair.b._am.held
+
+
+def test_pool_is_bounded(pair):
+    got = collect(pair.b, 8)
+    reqs = [
+        pair.ab.am_send_nb(8, b"x", proto="eager") for _ in range(3 * _am._POOL_MAX)
+    ]
+    pair.drive(*reqs)
+    pump(pair, lambda: len(got) == len(reqs))
+    assert len(pair.b._am.held) == len(reqs)
+    del got[:]
+    assert not pair.b._am.held
+    assert len(pair.b._am.free) == _am._POOL_MAX

@@ -263,6 +263,18 @@ static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
     return gpucx__posted(slot, r);
 }
 
+/* Receive the payload of a popped rendezvous message into buf, zero copy:
+ * the descriptor moves from the message to the receive. */
+static ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m,
+                                      void *buf, int memory_type,
+                                      gpucx_slot_t *slot)
+{
+    void *desc = m->data;
+
+    m->data = NULL;
+    return gpucx_am_recv_data(worker, desc, buf, m->length, memory_type, slot);
+}
+
 static const unsigned GPUCX_AM_SEND_REPLY = UCP_AM_SEND_FLAG_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER = UCP_AM_SEND_FLAG_EAGER;
 static const unsigned GPUCX_AM_SEND_RNDV  = UCP_AM_SEND_FLAG_RNDV;

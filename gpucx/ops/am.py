@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
@@ -82,7 +81,8 @@ class _AmWorker:
         "busy",
         "max_header",
         "arrays",
-        "msgs",
+        "free",
+        "held",
         "enabled",
     )
 
@@ -95,8 +95,18 @@ class _AmWorker:
         self.busy = False
         self.max_header: int | None = None
         self.arrays: dict = {}  # reply-ep address -> deque of array messages
-        self.msgs: weakref.WeakSet = weakref.WeakSet()  # popped, still alive
+        # Message records, reused: (gpucx_am_msg_t *, gpucx_slot_t *) pairs.
+        # ``free`` holds idle ones (at most _POOL_MAX); ``held`` maps id(pair)
+        # to the pairs of popped messages whose data is not yet released.
+        self.free: list = []
+        self.held: dict = {}
         self.enabled = "am" in worker._context.features
+
+
+#: Idle message records a worker keeps for reuse.
+_POOL_MAX = 64
+_MSG_P = ffi.typeof("gpucx_am_msg_t *")
+_SLOT_P = ffi.typeof("gpucx_slot_t *")
 
 
 def attach(worker) -> None:
@@ -120,8 +130,10 @@ def detach(worker) -> None:
     lib.gpucx_am_drain(am.state)
     # Messages Python still holds give their UCX buffers back now (UCX frees
     # its pools with the worker); views of their data must not be used after.
-    for msg in list(am.msgs):
-        lib.gpucx_am_release(worker._h, msg._rec)
+    for rec, _slot in list(am.held.values()):
+        lib.gpucx_am_release(worker._h, rec)
+    am.held.clear()
+    am.free.clear()
     am.arrays.clear()
     am.live[0] = None
     am.handlers.clear()
@@ -139,10 +151,21 @@ def _register(am: _AmWorker, am_id: int) -> int:
     return st
 
 
-def _release(live, rec, _ptr) -> None:
-    # ffi.gc destructor of a message's data: runs once, when neither the
-    # AmMessage nor any view of its data is referenced any more.
-    lib.gpucx_am_release(live[0] if live[0] is not None else ffi.NULL, rec)
+def _release(am: _AmWorker, pair) -> None:
+    """Give a message's UCX data back (idempotent)."""
+    if am.held.pop(id(pair), None) is not None:
+        h = am.live[0]
+        lib.gpucx_am_release(h if h is not None else ffi.NULL, pair[0])
+
+
+def _recycle(am: _AmWorker, pair, _ptr=None) -> None:
+    # Once per message, when nothing can use its record any more: the
+    # message is garbage and so is every view of its data (ffi.gc).
+    if lib is None:  # interpreter shutdown
+        return
+    _release(am, pair)
+    if len(am.free) < _POOL_MAX and am.live[0] is not None:
+        am.free.append(pair)
 
 
 def dispatch(worker) -> None:
@@ -160,12 +183,16 @@ def dispatch(worker) -> None:
     try:
         st = am.state
         handlers = am.handlers
-        while st.tail:
-            rec = ffi.new("gpucx_am_msg_t *")
-            if not lib.gpucx_am_pop(st, rec):
+        free = am.free
+        held = am.held
+        pop = lib.gpucx_am_pop
+        while True:
+            pair = free.pop() if free else (ffi.new(_MSG_P), ffi.new(_SLOT_P))
+            if not pop(st, pair[0]):
+                free.append(pair)
                 break
-            msg = AmMessage(worker, rec, am.live)
-            am.msgs.add(msg)
+            held[id(pair)] = pair
+            msg = AmMessage(worker, pair, am)
             handler = handlers.get(msg.am_id)
             if handler is None:
                 warnings.warn(
@@ -212,35 +239,36 @@ class AmMessage:
         "header",
         "nbytes",
         "is_rndv",
-        "_reply_h",
         "_reply_ep",
         "_worker",
-        "_rec",
+        "_pair",
+        "_am",
         "_desc",
-        "_live",
         "_taken",
         "__weakref__",
     )
 
-    def __init__(self, worker, rec, live):
+    def __init__(self, worker, pair, am):
+        rec = pair[0]
         self.am_id = rec.id
-        n = rec.header_length
-        self.header = ffi.buffer(rec.header, n)[:] if n else b""
+        self.header = (
+            ffi.buffer(rec.header, rec.header_length)[:] if rec.header else b""
+        )
         self.nbytes = rec.length
         self.is_rndv = bool(rec.flags & _RNDV)
-        self._reply_h = rec.reply_ep
         self._reply_ep = None
         self._worker = worker
-        self._rec = rec
-        # The data is released when the message is collected (__del__), or,
-        # once .data made a view, when the last view is (ffi.gc).
+        self._pair = pair
+        self._am = am
+        # The record goes back to the pool when the message is collected
+        # (__del__), or, once .data made a view, when the last view is
+        # (ffi.gc).
         self._desc = None
-        self._live = live
         self._taken = False
 
     def __del__(self) -> None:
-        if self._desc is None and lib is not None:
-            _release(self._live, self._rec, None)
+        if self._desc is None:  # else the views' ffi.gc recycles the record
+            _recycle(self._am, self._pair)
 
     def __repr__(self) -> str:
         proto = "rndv" if self.is_rndv else "eager"
@@ -250,11 +278,18 @@ class AmMessage:
         )
 
     @property
+    def _reply_h(self):
+        """The raw reply ``ucp_ep_h`` (NULL when the sender sent none)."""
+        return self._pair[0].reply_ep
+
+    @property
     def reply_ep(self):
         """The :class:`~gpucx.Endpoint` to answer the sender on (messages
         sent with ``reply=True``), or None."""
-        if self._reply_ep is None and self._reply_h != ffi.NULL:
-            self._reply_ep = self._worker._endpoint_for(self._reply_h)
+        if self._reply_ep is None:
+            h = self._pair[0].reply_ep
+            if h != ffi.NULL:
+                self._reply_ep = self._worker._endpoint_for(h)
         return self._reply_ep
 
     @property
@@ -275,9 +310,10 @@ class AmMessage:
             raise ValueError("the payload of this message was already received")
         desc = self._desc
         if desc is None:
+            # From now on the last view (not the message) recycles the record.
             desc = self._desc = ffi.gc(
-                ffi.cast("char *", self._rec.data),
-                functools.partial(_release, self._live, self._rec),
+                ffi.cast("char *", self._pair[0].data),
+                functools.partial(_recycle, self._am, self._pair),
             )
         return memoryview(ffi.buffer(desc, self.nbytes)).toreadonly()
 
@@ -314,55 +350,56 @@ class AmMessage:
         if self._taken:
             raise RuntimeError("the payload of this message was already received")
         ptr, n, mt, keep = acquire(buf, True, stream)
-        if n < self.nbytes:
+        nbytes = self.nbytes
+        if n < nbytes:
             exc = MessageTruncatedError(
                 f"{_RECV}: message truncated: the receive buffer holds {n} bytes, "
-                f"the message has {self.nbytes} bytes",
+                f"the message has {nbytes} bytes",
                 lib.UCS_ERR_MESSAGE_TRUNCATED,
             )
             exc.buffer_size = n
-            exc.message_size = self.nbytes
+            exc.message_size = nbytes
             raise exc
-        slot = new_slot()
         if self.is_rndv:
             cu = (mt != _HOST or stream is not None) and _cuda.prepare(
                 w, ptr, mt, stream, _RECV
             )
             self._taken = True
-            # The descriptor now belongs to the receive: release only the
-            # header when the message is collected.
-            desc = self._rec.data
-            self._rec.data = ffi.NULL
-            lib.gpucx_am_recv_data(w._h, desc, ptr, self.nbytes, mt, slot)
+            rec, slot = self._pair
+            # The descriptor moves to the receive; the request holds this
+            # message so that its record (and slot) is not reused meanwhile.
+            lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
             if cu:
                 _cuda.leave(cu)
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
-            return Request(w, slot, keep, _RECV, _nbytes, self._reply_ep, n)
-        if mt == _HOST or not self.nbytes:
+            return Request(w, slot, (keep, self), _RECV, _nbytes, self._reply_ep, n)
+        rec = self._pair[0]
+        if mt == _HOST or not nbytes:
             if stream is not None:
                 _cuda.prepare(w, ptr, mt, stream, _RECV)
-            ffi.memmove(ptr, self._rec.data, self.nbytes)
+            ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
-            _cuda.copy_in(w, ptr, mt, self._rec.data, self.nbytes, stream, _RECV)
+            _cuda.copy_in(w, ptr, mt, rec.data, nbytes, stream, _RECV)
         else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "
                 "host or CUDA memory (send with proto='rndv' for device buffers)"
             )
         self._drop()
+        slot = new_slot()
         slot.status = lib.UCS_OK
-        slot.length = self.nbytes
+        slot.length = nbytes
         return Request(w, slot, None, _RECV, _nbytes, None, n)
 
     def _drop(self) -> None:
         """Give the data back now (views made by .data keep it until they go)."""
         self._taken = True
         if self._desc is None:
-            _release(self._live, self._rec, None)
+            _release(self._am, self._pair)
         else:
-            self._desc = None
+            self._desc = False  # the views' ffi.gc recycles the record
 
 
 def _nbytes(req) -> int:

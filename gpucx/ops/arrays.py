@@ -239,7 +239,8 @@ def _on_array(msg) -> None:
     """Internal AM handler: queue the message by its sender's endpoint."""
     import warnings
 
-    if msg._reply_h == ffi.NULL:
+    reply_h = msg._reply_h
+    if reply_h == ffi.NULL:
         warnings.warn(
             "gpucx: array message without a reply endpoint dropped",
             RuntimeWarning,
@@ -247,7 +248,7 @@ def _on_array(msg) -> None:
         )
         msg._drop()
         return
-    key = int(ffi.cast("uintptr_t", msg._reply_h))
+    key = int(ffi.cast("uintptr_t", reply_h))
     q = msg._worker._am.arrays
     q.setdefault(key, deque()).append(msg)
 
