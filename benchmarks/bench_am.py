@@ -11,15 +11,16 @@ Measures between two processes on this host (default UCX transports):
 
 Usage::
 
-    .venv/bin/python benchmarks/bench_am.py [--lat-iters N] [--bw-iters N]
+    .venv/bin/python benchmarks/bench_am.py [--rounds R] [--lat-iters N] [--bw-iters N]
 
-The machine is shared and its speed drifts: each figure (gpucx and
-perftest alike) is the best of 3 runs, each run averaged over all its
-iterations, and only the ratios of one invocation are compared.  Both sides
-use UCX's default transports and no peer error handling (perftest's default;
-gpucx ``error_handling=False``: peer error handling rules out CMA zero-copy
-on this host).  Nothing here is
-asserted.
+The machine is shared and its speed drifts by tens of percent within
+seconds.  So the measurements run in interleaved rounds: each round runs
+every gpucx figure right next to its reference, and the ratio is taken
+within the round.  The table gives the median over the rounds of gpucx,
+of the reference and of the per-round ratio, and the range of the ratios.
+Both sides use UCX's default transports and no peer error handling
+(perftest's default; gpucx ``error_handling=False``: peer error handling
+rules out CMA zero-copy on this host).  Nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import multiprocessing as mp
 import os
 import pathlib
+import statistics
 import subprocess
 import time
 
@@ -102,7 +104,7 @@ class _Peer:
         self.ctx.close()
 
 
-def gpucx_am_lat(size: int, iters: int, runs: int = 3) -> float:
+def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
     """One-way latency in microseconds (half the round trip), averaged over
     ``iters`` round trips; the best of ``runs`` runs."""
     peer = _Peer("lat", size, iters)
@@ -142,7 +144,7 @@ def _bw_round(w, ep, payload, iters, acks, kind):
         w.progress()
 
 
-def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 3):
+def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
     best of ``runs`` runs: ``kind`` "am" (raw AM) or "array"."""
     peer = _Peer("bw" if kind == "am" else "array", size, iters)
@@ -199,40 +201,52 @@ def _perftest(test: str, size: int, iters: int, port: int) -> tuple[float, float
     return float(cols[4]), float(cols[6])
 
 
-def perftest(test: str, size: int, iters: int, port: int, runs: int = 3):
+def perftest(test: str, size: int, iters: int, port: int, runs: int = 1):
     """Best of ``runs`` perftest runs: (lowest latency, highest bandwidth)."""
     res = [_perftest(test, size, iters, port + i) for i in range(runs)]
     return min(r[0] for r in res), max(r[1] for r in res)
 
 
+def one_round(a, port: int) -> dict:
+    """Every figure once, each gpucx run next to its reference:
+    name -> (gpucx, reference, ratio)."""
+    out = {}
+    lat = gpucx_am_lat(8, a.lat_iters)
+    plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, port)
+    out["AM latency 8 B (us, one-way)"] = (lat, plat, plat / lat)
+    raw = 0.0
+    for size in (MIB, 16 * MIB):
+        # At least 64 MiB per ack, so the per-round ack is negligible.
+        n = max(a.bw_iters, 64 * MIB // size)
+        bw = gpucx_bw(size, n, "am")
+        _, pbw = perftest("ucp_am_bw", size, n * 8, port + size // MIB)  # as many
+        out[f"AM bandwidth {size // MIB} MiB (MiB/s)"] = (bw, pbw, bw / pbw)
+        raw = bw
+    arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
+    out["send/recv_array 16 MiB (MiB/s)"] = (arr, raw, arr / raw)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lat-iters", type=int, default=20000)
     ap.add_argument("--bw-iters", type=int, default=32)
     ap.add_argument("--port", type=int, default=13470)
     a = ap.parse_args()
-    rows = []
-    lat = gpucx_am_lat(8, a.lat_iters)
-    plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, a.port)
-    rows.append(("AM latency 8 B (us, one-way)", lat, plat, plat / lat))
-    bw = {}
-    for size in (MIB, 16 * MIB):
-        # At least 64 MiB per round, so the per-round ack is negligible.
-        n = max(a.bw_iters, 64 * MIB // size)
-        bw[size] = gpucx_bw(size, n, "am")
-        port = a.port + 10 * size // MIB
-        _, pbw = perftest("ucp_am_bw", size, n * 8, port)  # as many messages
-        name = f"AM bandwidth {size // MIB} MiB (MiB/s)"
-        rows.append((name, bw[size], pbw, bw[size] / pbw))
-    arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
-    raw = bw[16 * MIB]
-    rows.append(("send/recv_array 16 MiB (MiB/s)", arr, raw, arr / raw))
+    rounds = [one_round(a, a.port + 20 * r) for r in range(a.rounds)]
     print(f"gpucx {gpucx.__version__}, UCX {'.'.join(map(str, gpucx.UCX_VERSION))}")
-    print(f"{'measure':34} {'gpucx':>10} {'reference':>10} {'ratio':>7}")
-    for name, ours, ref, ratio in rows:
-        print(f"{name:34} {ours:10.2f} {ref:10.2f} {ratio:7.2f}")
+    print(f"medians over {a.rounds} interleaved rounds")
+    head = f"{'measure':32} {'gpucx':>9} {'reference':>10} {'ratio':>6}  ratio range"
+    print(head)
+    for name in rounds[0]:
+        g, r, q = (statistics.median(x[name][i] for x in rounds) for i in range(3))
+        lo = min(x[name][2] for x in rounds)
+        hi = max(x[name][2] for x in rounds)
+        print(f"{name:32} {g:9.2f} {r:10.2f} {q:6.2f}  {lo:.2f}-{hi:.2f}")
     print("reference: ucx_perftest, except send/recv_array (raw gpucx AM);")
-    print("ratio: gpucx/reference for bandwidth, reference/gpucx for latency")
+    print("ratio: gpucx/reference for bandwidth, reference/gpucx for latency,")
+    print("taken within each round")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Put/get bandwidth, 8-byte put latency and fetch-add latency: gpucx
 between two processes against UCX's own ucx_perftest, in the same run.
 
-    python benchmarks/bench_rma.py [--tls TLS] [--quick]
+    python benchmarks/bench_rma.py [--tls TLS] [--quick] [--rounds R]
 
 gpucx side: the owner process allocates and exports a region; the client
 process (this one) unpacks the token and measures
@@ -18,7 +18,9 @@ process (this one) unpacks the token and measures
   compared with its median and the windowed figure with its average.
 
 Endpoints are created without peer error handling, as ucx_perftest does
-(UCX offers atomic protocols only there).  Latencies are medians.
+(UCX offers atomic protocols only there).  Latencies are medians.  The VM's
+speed drifts, so the runs are interleaved rounds and the table gives the
+median over rounds of each figure and of the within-round ratio.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import argparse
 import multiprocessing as mp
 import os
 import re
+import select
+import statistics
 import subprocess
 import sys
 import time
@@ -60,11 +64,23 @@ def owner(tls, conn, nbytes):
         key = ep.unpack(blob)
         word = np.zeros(1, np.uint64)
         progress = w.progress
+        # Busy progress while the client connects and warms up.  From its
+        # "idle" on, this process sleeps on the worker's event fd between
+        # commands, as ucx_perftest's server sleeps: one-sided traffic over
+        # shared memory needs nothing from it (over TCP it still answers).
+        while not conn.poll(0):
+            for _ in range(1000):  # a syscall per 1000 polls only
+                progress()
+        fds = [w.fileno(), conn.fileno()]
         while True:
-            while not conn.poll(0):
-                for _ in range(1000):  # a syscall per 1000 polls only
-                    progress()
             cmd = conn.recv()
+            if cmd[0] == "idle":
+                while not conn.poll(0):
+                    while progress():
+                        pass
+                    if w.arm():
+                        select.select(fds, [], [], 1.0)
+                continue
             if cmd[0] == "pong":
                 n = cmd[1]
                 for i in range(1, n + 1):
@@ -112,6 +128,9 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
             # Like ucx_perftest, the local buffers are mapped by UCX too.
             src_region = ctx.allocate(big) if alloc_src else None
             src = src_region.as_array() if alloc_src else np.ones(big, np.uint8)
+            _window(ep.put_nb, src[:8], key, 3)
+            ep.flush()
+            parent.send(("idle",))
             for size in sizes:
                 n = iters[size]
                 buf = src[:size]
@@ -222,57 +241,66 @@ def perftest(test, size, n, tls):
     )
 
 
-def _keep(best, key, g, p, pick):
-    old = best.get(key)
-    best[key] = (g, p) if old is None else (pick(old[0], g), pick(old[1], p))
+#: Bandwidth figures and the perftest test each is compared with.
+ROWS = {
+    "put_bw": "ucp_put_bw",
+    "put_bw_blocking": "ucp_put_bw",
+    "get_bw": "ucp_get",
+    "get_bw_blocking": "ucp_get",
+}
+
+
+def one_round(tls, sizes, iters, lat_iters) -> dict:
+    """Every figure once: name -> (gpucx, perftest, ratio).  Each perftest
+    run follows the gpucx runs of its test directly."""
+    g = gpucx_side(tls, sizes, iters, lat_iters)
+    out = {}
+    for size in sizes:
+        for test in ("ucp_put_bw", "ucp_get"):
+            p = perftest(test, size, iters[size], tls)["bw"]
+            for name, t in ROWS.items():
+                if t == test:
+                    v = g[(name, size)]
+                    out[f"{name} {size // MiB} MiB"] = ("MiB/s", v, p, v / p)
+    p = perftest("ucp_put_lat", 8, lat_iters, tls)["p50"]
+    v = g[("put_lat", 8)]
+    out["put_lat 8 B (one-way, p50)"] = ("us", v, p, p / v)
+    pf = perftest("ucp_fadd", 8, lat_iters, tls)
+    v = g[("fadd_lat", 8)]
+    out["fetch_add 8 B (blocking, p50)"] = ("us", v, pf["p50"], pf["p50"] / v)
+    v = g[("fadd_rate", 8)]
+    out["fetch_add_nb 8 B (per op, avg)"] = ("us", v, pf["avg"], pf["avg"] / v)
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tls", default="default", help="default, tcp, sm,self ...")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds; best is kept")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     args = ap.parse_args()
     sizes = [1 * MiB, 16 * MiB]
-    iters = {1 * MiB: 200, 16 * MiB: 30}
+    iters = {1 * MiB: 2000, 16 * MiB: 100}
     lat_iters = 10000
     if args.quick:
         iters = {1 * MiB: 50, 16 * MiB: 10}
         lat_iters = 2000
-    # Alternate gpucx and perftest runs and keep the best of each (the VM
-    # has fast and slow periods).
-    best: dict = {}
-    for _ in range(args.repeat):
-        g = gpucx_side(args.tls, sizes, iters, lat_iters)
-        for size in sizes:
-            for name, test in (("put_bw", "ucp_put_bw"), ("get_bw", "ucp_get")):
-                p = perftest(test, size, iters[size], args.tls)["bw"]
-                _keep(best, (name, size), g[(name, size)], p, max)
-                blocking = name + "_blocking"
-                _keep(best, (blocking, size), g[(blocking, size)], p, max)
-        p = perftest("ucp_put_lat", 8, lat_iters, args.tls)["p50"]
-        _keep(best, ("put_lat", 8), g[("put_lat", 8)], p, min)
-        pf = perftest("ucp_fadd", 8, lat_iters, args.tls)
-        _keep(best, ("fadd_lat", 8), g[("fadd_lat", 8)], pf["p50"], min)
-        _keep(best, ("fadd_rate", 8), g[("fadd_rate", 8)], pf["avg"], min)
-    rows = []
-    for size in sizes:
-        for name in ("put_bw", "put_bw_blocking", "get_bw", "get_bw_blocking"):
-            gv, pv = best[(name, size)]
-            rows.append((f"{name} {size // MiB} MiB", "MiB/s", gv, pv))
-    rows.append(("put_lat 8 B (one-way, p50)", "us", *best[("put_lat", 8)]))
-    rows.append(("fetch_add 8 B (blocking, p50)", "us", *best[("fadd_lat", 8)]))
-    rows.append(("fetch_add_nb 8 B (per op, avg)", "us", *best[("fadd_rate", 8)]))
-    print(f"best of {args.repeat} rounds, window {WINDOW}")
+    # The VM has fast and slow periods: each round puts every gpucx figure
+    # next to its perftest run, and the ratio is taken within the round.
+    rounds = [one_round(args.tls, sizes, iters, lat_iters) for _ in range(args.rounds)]
+    print(f"medians over {args.rounds} interleaved rounds, window {WINDOW}")
     print(f"tls={args.tls} python={sys.version.split()[0]} cpus={os.cpu_count()}")
     print(
-        f"{'test':30} {'unit':6} {'gpucx':>10} {'perftest':>10} {'gpucx/perftest':>15}"
+        f"{'test':30} {'unit':6} {'gpucx':>10} {'perftest':>10} {'ratio':>6}"
+        "  ratio range"
     )
-    for name, unit, gv, pv in rows:
-        ratio = gv / pv if pv else float("nan")
-        print(f"{name:30} {unit:6} {gv:10.3f} {pv:10.3f} {ratio:15.2f}")
-    print("(bandwidth: higher is better; latency: lower is better, so a latency")
-    print(" ratio above 1 means gpucx is slower)")
+    for name, first in rounds[0].items():
+        g, p, q = (statistics.median(r[name][i] for r in rounds) for i in (1, 2, 3))
+        lo = min(r[name][3] for r in rounds)
+        hi = max(r[name][3] for r in rounds)
+        print(f"{name:30} {first[0]:6} {g:10.3f} {p:10.3f} {q:6.2f}  {lo:.2f}-{hi:.2f}")
+    print("ratio: gpucx/perftest for bandwidth, perftest/gpucx for latency (so")
+    print("above 1 is better for gpucx in both), taken within each round")
 
 
 if __name__ == "__main__":
