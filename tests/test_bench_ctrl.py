@@ -253,6 +253,23 @@ def test_server_answers_an_oversized_message(served):
     assert served.ask(b'{"op": "hello"}')["ok"] is True
 
 
+@pytest.mark.parametrize(
+    "instead,match",
+    [
+        (b"\x00not json", "peer: control message is not JSON"),
+        (b'{"op": "more"}', "peer: unexpected control message"),
+    ],
+)
+def test_server_answers_garbage_instead_of_fin(served, instead, match):
+    # A one-sided point: the server prepares a region, then waits for "fin".
+    params = Params("put_lat", 64, 5, 1, timeout=10).to_dict()
+    ready = served.ask(json.dumps({"op": "run", "params": params}).encode())
+    assert ready["ok"] is True and isinstance(ready["remote"], str)
+    reply = served.ask(instead)
+    assert re.match(match, reply["error"]), reply
+    assert served.ask(b'{"op": "hello"}')["ok"] is True
+
+
 def _mutations():
     """Valid control messages, then cut, bit-flipped, spliced or replaced."""
     docs = [
