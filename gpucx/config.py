@@ -41,7 +41,12 @@ GPUCX_OPTIONS: dict[str, float] = {
     # Seconds between two liveness checks of a worker's peers on this host
     # (0 = never); see gpucx._liveness.
     "PEER_CHECK_INTERVAL": float(os.environ.get("GPUCX_PEER_CHECK_INTERVAL", "0.1")),
+    # Largest array payload recv_array accepts, in bytes (0 = no limit); see
+    # gpucx.ops.arrays.recv_array.
+    "MAX_ARRAY_BYTES": 0.0,
 }
+#: gpucx options whose value must be a whole number.
+GPUCX_INTEGER_OPTIONS = frozenset({"MAX_ARRAY_BYTES"})
 
 
 def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
@@ -50,7 +55,8 @@ def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
     Raises
     ------
     ValueError
-        For an unknown ``GPUCX_*`` key or a value that is not a number >= 0.
+        For an unknown ``GPUCX_*`` key or a value that is not a number >= 0
+        (a whole number for ``GPUCX_MAX_ARRAY_BYTES``).
     """
     out = dict(GPUCX_OPTIONS)
     if not isinstance(config, Mapping):
@@ -69,6 +75,10 @@ def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
         if not number >= 0:
             raise ValueError(
                 f"gpucx option {key!r} must be a number >= 0, not {value!r}"
+            )
+        if name in GPUCX_INTEGER_OPTIONS and not number.is_integer():
+            raise ValueError(
+                f"gpucx option {key!r} must be a whole number >= 0, not {value!r}"
             )
         out[name] = number
     return out

@@ -29,14 +29,17 @@ class Context(Handle):
         ``GPUCX_`` are gpucx's own options, never passed to UCX:
         ``GPUCX_PEER_CHECK_INTERVAL`` (seconds between liveness checks of
         peers on this host, default 0.1, 0 = off; see the guide's "Peer
-        failure").
+        failure") and ``GPUCX_MAX_ARRAY_BYTES`` (the largest array, in
+        bytes, that ``recv_array`` of this context's workers accepts;
+        default 0 = no limit).
 
     Raises
     ------
     ValueError
         For an unknown feature, or a UCX option UCX does not know or whose
         value it rejects (the message names the option), or an unknown or
-        negative ``GPUCX_*`` option.
+        negative ``GPUCX_*`` option (or a fractional
+        ``GPUCX_MAX_ARRAY_BYTES``).
     TypeError
         If ``config`` is not a dict of strings.
     gpucx.UCXError
@@ -70,6 +73,7 @@ class Context(Handle):
         self.features = names
         self.config = options
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
+        self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
         register_root(self)
 
     def __repr__(self) -> str:

@@ -55,3 +55,24 @@ def am_echo_peer(tls, q, via_listener):
                 q.put(("done", ep.transports))
                 q.get()
                 return
+
+
+def array_sender_peer(tls, q, sends):
+    """Send one array of ``nbytes`` per ``(nbytes, proto)`` in ``sends`` to
+    the client, in order, then report what each blocking send returned
+    ("ok" or the exception) and wait for "bye"."""
+    with gpucx.Context(config=transport_config(tls, True)) as ctx:
+        w = ctx.create_worker()
+        lst = w.listen(host="127.0.0.1")
+        q.put(("port", lst.port))
+        ep = lst.accept(timeout=30)
+        seen = []
+        for i, (nbytes, proto) in enumerate(sends):
+            arr = np.full(nbytes, i, np.uint8)
+            try:
+                ep.send_array(arr, proto=proto)
+                seen.append("ok")
+            except gpucx.UCXError as exc:
+                seen.append(f"{type(exc).__name__}: {exc}")
+        q.put(("sent", seen))
+        assert q.get(60) == "bye"

@@ -261,3 +261,188 @@ def test_arrays_across_processes(tls_name):
             q.put("ok")
     finally:
         join_ok(child, 90)
+
+
+# -- the size limit (max_bytes / GPUCX_MAX_ARRAY_BYTES) ---------------------------
+
+
+def _send_in_thread(pair, arr, proto):
+    """Start a blocking send_array on worker a; return (thread, outcome list)."""
+    seen: list = []
+
+    def send():
+        try:
+            pair.ab.send_array(arr, proto=proto)
+            seen.append("ok")
+        except BaseException as exc:  # reported to the test
+            seen.append(exc)
+
+    t = threading.Thread(target=send)
+    t.start()
+    return t, seen
+
+
+def _transfer_kw(pair, arr, **kw):
+    t, seen = _send_in_thread(pair, arr, None)
+    try:
+        out = pair.ba.recv_array(timeout=30, **kw)
+    finally:
+        t.join(30)
+    assert seen == ["ok"]
+    return out
+
+
+# eager: a few KiB forced eager; rndv: 1 MiB forced rendezvous.
+LIMIT_CASES = [("eager", 4096), ("rndv", 1 << 20)]
+
+
+@pytest.mark.parametrize("proto,nbytes", LIMIT_CASES)
+@pytest.mark.parametrize("how", ["keyword", "config"])
+def test_max_bytes_refuses_one_byte_over(tls, proto, nbytes, how):
+    from conftest import TRANSPORTS
+
+    cfg = dict(TRANSPORTS[tls] or {})
+    if how == "config":
+        cfg["GPUCX_MAX_ARRAY_BYTES"] = nbytes - 1
+    kw = {"max_bytes": nbytes - 1} if how == "keyword" else {}
+    with gpucx.Context(config=cfg) as ctx:
+        from conftest import Pair
+
+        pair = Pair(ctx)
+        big = np.arange(nbytes, dtype=np.uint8)
+        t, seen = _send_in_thread(pair, big, proto)
+        try:
+            with pytest.raises(ValueError) as info:
+                pair.ba.recv_array(timeout=30, **kw)
+        finally:
+            t.join(30)
+        assert not t.is_alive()
+        msg = str(info.value)
+        assert f"{nbytes} bytes" in msg and f"max_bytes={nbytes - 1}" in msg
+        # The sender's request completed, without an error: dropping the
+        # message released its data (rendezvous: the sender is told done).
+        assert seen == ["ok"]
+        # Nothing of the refused array is left: the next one arrives.
+        small = np.arange(nbytes - 1, dtype=np.uint8)[::-1].copy()
+        t, seen = _send_in_thread(pair, small, proto)
+        try:
+            out = pair.ba.recv_array(timeout=30, **kw)
+        finally:
+            t.join(30)
+        assert seen == ["ok"]
+        assert np.array_equal(out, small)
+
+
+@pytest.mark.parametrize("proto,nbytes", LIMIT_CASES)
+def test_max_bytes_exactly_at_limit_is_received(pair, proto, nbytes):
+    arr = np.arange(nbytes, dtype=np.uint8)
+    t, seen = _send_in_thread(pair, arr, proto)
+    try:
+        out = pair.ba.recv_array(timeout=30, max_bytes=nbytes)
+    finally:
+        t.join(30)
+    assert seen == ["ok"]
+    assert np.array_equal(out, arr)
+
+
+def test_max_bytes_keyword_overrides_context_option():
+    with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": 8}) as ctx:
+        from conftest import Pair
+
+        pair = Pair(ctx)
+        arr = np.arange(4, dtype=np.int64)  # 32 bytes
+        out = _transfer_kw(pair, arr, max_bytes=0)  # 0: no limit for this call
+        assert np.array_equal(out, arr)
+        out = _transfer_kw(pair, arr, max_bytes=32)
+        assert np.array_equal(out, arr)
+        t, seen = _send_in_thread(pair, arr, None)
+        try:
+            with pytest.raises(ValueError, match="32 bytes.*max_bytes=8"):
+                pair.ba.recv_array(timeout=30)
+        finally:
+            t.join(30)
+        assert seen == ["ok"]
+
+
+def test_max_bytes_default_is_unlimited(pair):
+    assert pair.ctx._max_array_bytes == 0
+    arr = np.arange(1 << 20, dtype=np.int64)
+    assert np.array_equal(transfer(pair, arr), arr)
+
+
+def test_max_bytes_refuses_a_malformed_header_first_by_size(pair):
+    # The size check needs no header: a 16-byte payload with garbage header
+    # over a 15-byte limit is refused for its size, and dropped.
+    _send_raw(pair, b"garbage", payload=b"\0" * 16)
+    with pytest.raises(ValueError, match="16 bytes, more than max_bytes=15"):
+        pair.ba.recv_array(timeout=5, max_bytes=15)
+    with pytest.raises(gpucx.TimeoutError):
+        pair.ba.recv_array(timeout=0.1)
+
+
+@pytest.mark.parametrize(
+    "value,exc,match",
+    [
+        ("10", TypeError, "max_bytes must be an int or None, not str"),
+        (1.5, TypeError, "not float"),
+        (True, TypeError, "not bool"),
+        (-1, ValueError, "max_bytes must be >= 0, not -1"),
+    ],
+)
+def test_max_bytes_invalid(pair, value, exc, match):
+    with pytest.raises(exc, match=match):
+        pair.ba.recv_array(timeout=0.1, max_bytes=value)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "x"])
+def test_max_array_bytes_option_invalid(value):
+    with pytest.raises(ValueError, match="GPUCX_MAX_ARRAY_BYTES"):
+        gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": value})
+
+
+def test_max_array_bytes_option_accepts_whole_numbers():
+    with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": "4096"}) as ctx:
+        assert ctx._max_array_bytes == 4096
+    with gpucx.Context(config={"gpucx_max_array_bytes": 2.0}) as ctx:
+        assert ctx._max_array_bytes == 2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("tls_name", ["tcp", "shm"])
+def test_max_bytes_across_processes(tls_name):
+    from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import array_sender_peer
+
+    limit = 4096
+    sends = [
+        (limit + 1, "eager"),  # refused
+        (limit, "eager"),  # at the limit: received
+        (4 << 20, "rndv"),  # refused, 4 MiB never moves
+        (limit + 1, "rndv"),  # refused
+        (limit, "rndv"),  # received
+        (limit - 1, None),  # received
+    ]
+    q, theirs = channel_pair()
+    child = spawn(array_sender_peer, tls_name, theirs, sends)
+    try:
+        cfg = dict(transport_config(tls_name, True) or {})
+        cfg["GPUCX_MAX_ARRAY_BYTES"] = limit
+        with gpucx.Context(config=cfg) as ctx:
+            w = ctx.create_worker()
+            _, port = q.get(60)
+            ep = w.connect(("127.0.0.1", port))
+            for i, (nbytes, _) in enumerate(sends):
+                if nbytes > limit:
+                    with pytest.raises(ValueError, match=f"{nbytes} bytes"):
+                        ep.recv_array(timeout=60)
+                else:
+                    out = ep.recv_array(timeout=60)
+                    assert out.shape == (nbytes,)
+                    assert (out == i).all()
+            tag, seen = q.get(60)
+            assert tag == "sent"
+            # The sender cannot tell: every send completed without error.
+            assert seen == ["ok"] * len(sends)
+            q.put("bye")
+    finally:
+        join_ok(child, 90)

@@ -326,6 +326,135 @@ def test_dlpack_producer_gets_consumer_stream(cupy, cpair):
     same_bytes(dst, src.arr)
 
 
+# -- stream= on atomics and probed receives, unpack(device=) ----------------------
+
+
+def _amo_pair(ctx):
+    """Pair of workers whose a->b endpoint has no peer error handling (UCX
+    offers atomic protocols only there); a host counter on b's side."""
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab = a.connect(b.address, error_handling=False)
+    mem = np.zeros(2, np.uint64)
+    region = ctx.register(mem)
+    return a, b, ab, mem, region, ab.unpack(region.remote())
+
+
+@pytest.mark.parametrize("form", ["blocking", "nb"])
+def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
+    a, b, ab, mem, region, key = _amo_pair(cuda_ctx)
+    dev = _last_device(cupy)
+    with cupy.cuda.Device(dev):
+        scratch = cupy.zeros(1 << 10, cupy.uint8)
+        cupy.cuda.runtime.deviceSynchronize()
+        s = cupy.cuda.Stream(non_blocking=True)
+        stop = threading.Event()
+
+        def serve():  # the blocking form needs the target worker progressing
+            while not stop.is_set():
+                b.progress()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            # Control: without stream= the atomic does not wait for the
+            # kernel (about a second of spinning) queued on s.
+            _late_write(cupy, scratch, 1, s)
+            assert ab.fetch_add(key, 1) == 0
+            assert not s.done, "the kernel finished before the atomic: too fast"
+            s.synchronize()
+            _late_write(cupy, scratch, 2, s)
+            if form == "blocking":
+                old = ab.fetch_add(key, 1, stream=s)
+            else:
+                req = ab.fetch_add_nb(key, 1, stream=s)
+                # Posted only once the kernel finished, before returning.
+                assert s.done
+                old = req.wait(30)
+            assert s.done and old == 1
+            ab.atomic_add(key, 5, offset=8, stream=s)
+            ab.flush()
+        finally:
+            stop.set()
+            t.join(30)
+    assert list(mem) == [2, 5]
+    assert int(scratch[0]) == 2
+    region.close()
+
+
+@pytest.mark.parametrize("form", ["blocking", "nb"])
+def test_probed_recv_with_stream_lands_after_queued_work(cupy, cpair, form):
+    n = 1 << 16
+    src = pattern(cupy, n, 5)
+    dst = cupy.zeros(n, cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()
+    req = cpair.ab.send_nb(src, tag=21)
+    msg = None
+    while msg is None:
+        cpair.a.progress()
+        msg = cpair.b.probe(tag=21, remove=True)
+    s = cupy.cuda.Stream(non_blocking=True)
+    # A kernel queued on s overwrites dst (after ~1 s); the receive must be
+    # posted after it, so the received bytes win.
+    _late_write(cupy, dst, 7, s)
+    if form == "blocking":
+        stop = threading.Event()
+
+        def serve():  # the sender's worker answers the rendezvous meanwhile
+            while not stop.is_set():
+                cpair.a.progress()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        try:
+            info = msg.recv(dst, timeout=30, stream=s)
+        finally:
+            stop.set()
+            t.join(30)
+        cpair.drive(req)
+    else:
+        rreq = msg.recv_nb(dst, stream=s)
+        assert s.done
+        info = cpair.drive(rreq, req)[0]
+    assert info.nbytes == n
+    same_bytes(dst, src)
+
+
+def test_unpack_device_from_a_thread_without_context(cupy, cuda_cfg):
+    nbytes = 1 << 20
+    dev = _last_device(cupy)
+    count = cupy.cuda.runtime.getDeviceCount()
+    ours, theirs = channel_pair()
+    child = spawn(cuda_region_owner, cuda_cfg, theirs, nbytes, dev)
+    with gpucx.Context(config=cuda_cfg) as ctx:
+        w = ctx.create_worker()
+        address, blob, _ = ours.get()
+        ep = w.connect(address)
+        ours.put(w.address)
+        with pytest.raises(ValueError, match=f"has {count} CUDA device"):
+            ep.unpack(blob, device=count)
+        keys, errors = [], []
+
+        def unpack():  # a fresh thread: no CUDA context is current
+            try:
+                keys.append(ep.unpack(blob, device=dev))
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        t = threading.Thread(target=unpack)
+        t.start()
+        t.join(60)
+        assert errors == [] and len(keys) == 1
+        with cupy.cuda.Device(dev):
+            got = cupy.zeros(nbytes, cupy.uint8)
+            ep.get(got, keys[0])
+            same_bytes(got, pattern(cupy, nbytes, 3))
+            ep.put(np.zeros(1, np.uint8), keys[0], notify=b"done")
+        kind, note, _bytes = ours.get()
+        assert note == b"done"
+        ours.put("bye")
+    join_ok(child)
+
+
 def _bench(*args):
     return subprocess.run(
         [sys.executable, "-m", "gpucx.cli", "bench", *args],

@@ -183,3 +183,32 @@ def test_transfers_with_streams_over_the_bindings(drv, ctx):
     assert target.tobytes() == b"0123456789"
     assert drv._lib.fake_memcpys() == 1 and drv._lib.fake_last_stream() == 0x53
     assert drv.current_context() == 0xC0  # device 1 was pushed, then popped
+
+
+def test_atomic_and_probed_recv_with_streams_over_the_bindings(drv, ctx):
+    drv._lib.fake_set_polls(2)
+    drv.set_current(0xC0)
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab = a.connect(b.address, error_handling=False)
+    mem = np.array([7], np.uint64)
+    region = ctx.register(mem)
+    key = ab.unpack(region.remote())
+    req = ab.fetch_add_nb(key, 3, stream=0x54)
+    while not req.done():
+        b.progress()
+    assert req.result() == 7 and mem[0] == 10
+    assert drv._lib.fake_records() == 1 and drv._lib.fake_last_stream() == 0x54
+    # A probed message received with a stream.
+    pair = Pair(ctx)
+    pair.drive(pair.ab.send_nb(b"probe", tag=0x55))
+    msg = None
+    end = time.monotonic() + 10
+    while msg is None:
+        msg = pair.b.probe(tag=0x55, remove=True)
+        assert time.monotonic() < end
+    out = bytearray(5)
+    assert msg.recv(out, timeout=5, stream=FakeCupyStream(0x56)).nbytes == 5
+    assert out == b"probe"
+    assert drv._lib.fake_records() == 2 and drv._lib.fake_last_stream() == 0x56
+    assert drv.current_context() == 0xC0
+    region.close()

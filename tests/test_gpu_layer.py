@@ -12,6 +12,7 @@ posted with the CUDA memory type.  The real thing runs in tests/test_cuda.py.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -605,3 +606,229 @@ def test_eager_am_into_cuda_is_copied_by_the_driver(fake_driver, pair):
     assert ("memcpy", _address(arr)) == fake_driver.calls[kinds.index("memcpy")][:2]
     with pytest.raises(RuntimeError, match="already received"):
         msg.receive_into(bytearray(10))
+
+
+# -- atomics, probed messages and unpack: streams and devices ---------------------
+
+
+class PassSpy:
+    """Wraps an extension module: records the calls named in ``names`` into
+    ``events`` as ``("post", name)`` and then makes them for real."""
+
+    def __init__(self, lib, names, events):
+        self._lib = lib
+        self._names = names
+        self._events = events
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name not in self._names:
+            return attr
+
+        def post(*args):
+            self._events.append(("post", name))
+            return attr(*args)
+
+        return post
+
+
+def _amo_endpoints(ctx):
+    """Workers a, b and endpoint a->b without peer error handling (UCX offers
+    atomic protocols only there), plus a counter on b's side and its key."""
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab = a.connect(b.address, error_handling=False)
+    mem = np.array([40, 0], np.uint64)
+    region = ctx.register(mem)
+    return a, b, ab, mem, region, ab.unpack(region.remote())
+
+
+_ATOMICS = {
+    "atomic_add": lambda ep, k, s: ep.atomic_add(k, 2, stream=s),
+    "fetch_add": lambda ep, k, s: ep.fetch_add(k, 2, stream=s),
+    "swap": lambda ep, k, s: ep.swap(k, 42, stream=s),
+    "compare_swap": lambda ep, k, s: ep.compare_swap(k, 40, 42, stream=s),
+    "atomic_xor_nb": lambda ep, k, s: ep.atomic_xor_nb(k, 1, 8, stream=s),
+    "fetch_or_nb": lambda ep, k, s: ep.fetch_or_nb(k, 1, 8, stream=s),
+    "compare_swap_nb": lambda ep, k, s: ep.compare_swap_nb(k, 0, 1, 8, stream=s),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ATOMICS))
+def test_atomic_waits_for_stream_with_progress_then_posts(
+    fake_driver, ctx, monkeypatch, name
+):
+    from gpucx.ops import atomic as _atomic
+
+    a, b, ab, mem, region, key = _amo_endpoints(ctx)
+    fake_driver.polls = 3
+    fake_driver.devices = 1
+    events: list = []
+    fake_driver.observer = events.append
+    real_progress = a.progress
+    monkeypatch.setattr(
+        a, "progress", lambda: events.append(("progress",)) or real_progress()
+    )
+    names = {"gpucx_atomic_wait", "gpucx_atomic"}
+    monkeypatch.setattr(_atomic, "lib", PassSpy(_atomic.lib, names, events))
+    stop = threading.Event()
+
+    def serve():  # the blocking forms need the target worker progressing
+        while not stop.is_set():
+            b.progress()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        result = _ATOMICS[name](ab, key, FakeCupyStream(0x61))
+        if isinstance(result, gpucx.Request):
+            result.wait(10)
+        ab.flush()  # a non-fetching atomic is done locally before it lands
+    finally:
+        stop.set()
+        t.join(10)
+    kinds = [e[0] for e in events]
+    record = next(e for e in events if e[0] == "event_record")
+    assert record[2] == 0x61
+    queries = [e[2] for e in events if e[0] == "event_query"]
+    assert queries == [False, False, False, True]
+    # The stream was waited for, the worker progressing between polls, and
+    # only then the atomic was posted -- once.
+    assert kinds.count("progress") >= 3
+    assert kinds.count("post") == 1
+    assert kinds.index("post") > max(
+        i for i, e in enumerate(events) if e[0] == "event_query"
+    )
+    # Host operands: no device context was pushed for them.
+    assert "push" not in kinds
+    assert list(mem) != [40, 0]  # the atomic really happened
+    region.close()
+
+
+def test_atomic_stream_without_driver_is_refused(no_driver, ctx):
+    a, b, ab, mem, region, key = _amo_endpoints(ctx)
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA stream needs no CUDA"):
+        ab.fetch_add(key, 1, stream=1)
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA stream needs no CUDA"):
+        ab.compare_swap_nb(key, 0, 1, stream=FakeCupyStream(3))
+    assert list(mem) == [40, 0]  # nothing was posted
+    region.close()
+
+
+@pytest.mark.parametrize("stream,exc", [(object(), TypeError), (-3, ValueError)])
+def test_atomic_bad_stream_is_refused_before_posting(ctx, stream, exc):
+    a, b, ab, mem, region, key = _amo_endpoints(ctx)
+    with pytest.raises(exc, match="stream"):
+        ab.atomic_add(key, 1, stream=stream)
+    with pytest.raises(exc, match="stream"):
+        ab.swap_nb(key, 1, stream=stream)
+    assert list(mem) == [40, 0]
+    region.close()
+
+
+def _probed(pair, payload, tag=0x71):
+    pair.drive(pair.ab.send_nb(payload, tag=tag))
+    end = time.monotonic() + 10
+    while True:
+        msg = pair.b.probe(tag=tag, remove=True)
+        if msg is not None:
+            return msg
+        assert time.monotonic() < end, "the message never arrived"
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_probed_recv_waits_for_stream_then_posts(
+    fake_driver, pair, monkeypatch, blocking
+):
+    msg = _probed(pair, b"probed!")
+    fake_driver.polls = 2
+    fake_driver.devices = 1
+    events: list = []
+    fake_driver.observer = events.append
+    monkeypatch.setattr(_tag, "lib", PassSpy(_tag.lib, {"gpucx_tag_msg_recv"}, events))
+    out = bytearray(7)
+    if blocking:
+        info = msg.recv(out, timeout=10, stream=FakeTorchStream(0x62))
+    else:
+        info = msg.recv_nb(out, stream=0x62).wait(10)
+    assert out == b"probed!" and info.nbytes == 7
+    kinds = [e[0] for e in events]
+    assert next(e for e in events if e[0] == "event_record")[2] == 0x62
+    assert [e[2] for e in events if e[0] == "event_query"] == [False, False, True]
+    assert kinds.index("post") > kinds.index("event_query") + 2
+
+
+def test_probed_recv_stream_without_driver_keeps_the_message(no_driver, pair):
+    msg = _probed(pair, b"kept")
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA stream needs no CUDA"):
+        msg.recv(bytearray(4), timeout=5, stream=1)
+    with pytest.raises(TypeError, match="stream"):
+        msg.recv_nb(bytearray(4), stream=object())
+    out = bytearray(4)
+    assert msg.recv(out, timeout=5).nbytes == 4
+    assert out == b"kept"
+
+
+def _cuda_token(pair):
+    """A token that says CUDA over a host region's key (the fake driver's
+    "device memory" is host memory; UCX unpacks the host key)."""
+    region = pair.ctx.register(bytearray(64))
+    rem = region.remote()
+    return region, gpucx.RemoteMemory(
+        rem.address, rem.nbytes, gpucx.MemoryType.CUDA, rem.rkey
+    )
+
+
+def test_unpack_device_makes_that_device_current(fake_driver, pair):
+    region, token = _cuda_token(pair)
+    fake_driver.current = 0xC0  # device 0 current in this thread
+    key = pair.ab.unpack(token, device=1)
+    assert key.memory_type == gpucx.MemoryType.CUDA
+    names = fake_driver.names()
+    assert ("push", 0xC1) in fake_driver.calls
+    assert names.index("push") < names.index("pop")
+    assert fake_driver.current == 0xC0  # restored
+    # Without device=: the thread's current device, nothing pushed.
+    fake_driver.calls.clear()
+    pair.ab.unpack(token)
+    assert "push" not in fake_driver.names()
+    # A host key ignores a valid device=: nothing is made current.
+    fake_driver.calls.clear()
+    host = pair.ab.unpack(region.remote(), device=1)
+    assert host.memory_type == gpucx.MemoryType.HOST
+    assert not {"push", "set_current"} & set(fake_driver.names())
+    region.close()
+
+
+@pytest.mark.parametrize(
+    "device,exc,match",
+    [
+        (-1, ValueError, "device must be >= 0, not -1"),
+        (2, ValueError, "device=2: this host has 2 CUDA device"),
+        ("0", TypeError, "device must be an int, not str"),
+        (True, TypeError, "not bool"),
+        (1.0, TypeError, "not float"),
+    ],
+)
+def test_unpack_device_checked(fake_driver, pair, device, exc, match):
+    region, token = _cuda_token(pair)
+    with pytest.raises(exc, match=match):
+        pair.ab.unpack(token, device=device)
+    with pytest.raises(exc, match=match):  # host keys are checked the same way
+        pair.ab.unpack(region.remote(), device=device)
+    assert "push" not in fake_driver.names()
+    region.close()
+
+
+def test_unpack_device_without_driver(no_driver, pair):
+    region, token = _cuda_token(pair)
+    with pytest.raises(gpucx.UnsupportedError, match="device=0 for a CUDA key needs"):
+        pair.ab.unpack(token, device=0)
+    # Without device= a CUDA key still unpacks (it may serve RDMA), and a
+    # host key takes any device >= 0: nothing is made current for it.
+    assert pair.ab.unpack(token).memory_type == gpucx.MemoryType.CUDA
+    assert pair.ab.unpack(region.remote(), device=3).memory_type == (
+        gpucx.MemoryType.HOST
+    )
+    with pytest.raises(ValueError, match=">= 0"):
+        pair.ab.unpack(region.remote(), device=-2)
+    region.close()

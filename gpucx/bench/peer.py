@@ -15,7 +15,7 @@ import traceback
 import gpucx
 
 from .memory import BenchSetupError
-from .session import PeerGone, Session, context_config
+from .session import BadControlMessage, PeerGone, Session, context_config, quote
 from .suites import TESTS, Params
 
 __all__ = ["serve", "serve_listener", "main"]
@@ -24,7 +24,12 @@ __all__ = ["serve", "serve_listener", "main"]
 def serve(sess: Session) -> None:
     """Answer control messages until the client says ``quit``."""
     while True:
-        cmd = sess.recv_ctrl(None)
+        try:
+            cmd = sess.recv_ctrl(None)
+        except BadControlMessage as exc:
+            # Tag messages keep their boundaries: answer, and read the next.
+            sess.send_ctrl({"error": f"peer: {exc}"})
+            continue
         op = cmd.get("op")
         if op == "quit":
             sess.send_ctrl({"ok": True})
@@ -33,10 +38,10 @@ def serve(sess: Session) -> None:
             sess.send_ctrl({"ok": True, "version": gpucx.__version__})
             continue
         if op != "run":
-            sess.send_ctrl({"error": f"unknown control message {op!r}"})
+            sess.send_ctrl({"error": f"peer: unknown control message {quote(op)}"})
             continue
         try:
-            params = Params.from_dict(cmd["params"])
+            params = Params.from_dict(cmd.get("params"))
             test = TESTS[params.test](sess, params, server=True)
             extra = test.prepare()
         except Exception as exc:
@@ -45,6 +50,8 @@ def serve(sess: Session) -> None:
         sess.send_ctrl({"ok": True, **extra})
         try:
             test.serve()
+        except BadControlMessage as exc:
+            sess.send_ctrl({"error": f"peer: {exc}"})
         except PeerGone:
             raise
         except Exception as exc:

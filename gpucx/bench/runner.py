@@ -10,9 +10,17 @@ import gpucx
 from . import perftest as _perftest
 from .memory import BenchSetupError, cuda_problem
 from .report import ProgressBar, environment, plot_problem
-from .session import PeerGone, Session, connect_remote, spawn_local
+from .session import (
+    BadControlMessage,
+    PeerGone,
+    Session,
+    connect_remote,
+    quote,
+    reply_field,
+    spawn_local,
+)
 from .sizes import format_size
-from .suites import DEFAULT_TESTS, TESTS, Params
+from .suites import DEFAULT_TESTS, MAX_ITERS, MAX_TIMEOUT, MAX_WINDOW, TESTS, Params
 
 __all__ = ["BenchOptions", "validate", "plan", "run_bench", "default_iters"]
 
@@ -54,7 +62,9 @@ def validate(opts: BenchOptions) -> None:
     BenchSetupError
         Unknown test, fadd_lat with peer error handling, CUDA without a
         GPU, no matplotlib for ``--plot``, no ucx_perftest for
-        ``--vs-perftest``, bad counts.
+        ``--vs-perftest``, counts out of range (the limits the peer
+        checks: iters and warmup up to 2**32, window up to 65536, timeout
+        up to 1e6 s).
     """
     if not opts.tests:
         raise BenchSetupError("no test given")
@@ -68,12 +78,20 @@ def validate(opts: BenchOptions) -> None:
             "fadd_lat needs --no-error-handling: UCX (>= 1.19) offers no atomic "
             "operations on endpoints with peer error handling"
         )
-    if opts.iters is not None and opts.iters < 1:
-        raise BenchSetupError(f"--iters must be >= 1, not {opts.iters}")
-    if opts.warmup is not None and opts.warmup < 0:
-        raise BenchSetupError(f"--warmup must be >= 0, not {opts.warmup}")
-    if opts.window < 1:
-        raise BenchSetupError(f"--window must be >= 1, not {opts.window}")
+    if opts.iters is not None and not 1 <= opts.iters <= MAX_ITERS:
+        raise BenchSetupError(f"--iters must be in [1, {MAX_ITERS}], not {opts.iters}")
+    if opts.warmup is not None and not 0 <= opts.warmup <= MAX_ITERS:
+        raise BenchSetupError(
+            f"--warmup must be in [0, {MAX_ITERS}], not {opts.warmup}"
+        )
+    if not 1 <= opts.window <= MAX_WINDOW:
+        raise BenchSetupError(
+            f"--window must be in [1, {MAX_WINDOW}], not {opts.window}"
+        )
+    if not 0 < opts.timeout <= MAX_TIMEOUT:
+        raise BenchSetupError(
+            f"--timeout must be in (0, {MAX_TIMEOUT:g}], not {opts.timeout}"
+        )
     if opts.device < 0:
         raise BenchSetupError(f"--device must be >= 0, not {opts.device}")
     kinds = set(opts.memory) if opts.client is None else {opts.memory[0]}
@@ -125,6 +143,28 @@ class BenchFailed(RuntimeError):
     """A point failed while running (the message names it)."""
 
 
+class _PeerFailed(Exception):
+    """The peer answered with an error (its message, as sent)."""
+
+
+def _answer(reply: dict) -> dict:
+    """Check a reply of the peer: ``{"error": str}`` (raised as
+    :class:`_PeerFailed`) or ``{"ok": true, ...}``.
+
+    Raises
+    ------
+    BadControlMessage
+        For anything else.
+    """
+    if "error" in reply:
+        raise _PeerFailed(str(reply_field(reply, "error", str)))
+    if reply.get("ok") is not True:
+        raise BadControlMessage(
+            f"the peer's reply is neither ok nor an error: {quote(reply)}"
+        )
+    return reply
+
+
 def run_point(sess: Session, p: Params) -> dict:
     """Measure one point; return its result record.
 
@@ -135,16 +175,14 @@ def run_point(sess: Session, p: Params) -> dict:
     """
     where = f"{p.test} {format_size(p.size)}"
     try:
-        reply = sess.call({"op": "run", "params": p.to_dict()}, timeout=p.timeout)
-        if "error" in reply:
-            raise BenchFailed(f"{where}: {reply['error']}")
+        reply = _answer(sess.call({"op": "run", "params": p.to_dict()}, p.timeout))
         test = TESTS[p.test](sess, p, server=False)
         figures = test.run(reply)
-        done = sess.recv_ctrl(p.timeout)
+        _answer(sess.recv_ctrl(p.timeout))
+    except _PeerFailed as exc:
+        raise BenchFailed(f"{where}: {exc}") from None
     except (gpucx.UCXError, PeerGone) as exc:
         raise BenchFailed(f"{where}: {exc}") from exc
-    if "error" in done:
-        raise BenchFailed(f"{where}: {done['error']}")
     return {
         "test": p.test,
         "kind": test.kind,
@@ -228,7 +266,10 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
                 r["ratio"] = _ratio(r)
             results.append(r)
             bar.update(f"{p.test} {format_size(p.size)}")
-        sess.call({"op": "quit"}, timeout=30)
+        try:
+            _answer(sess.call({"op": "quit"}, timeout=30))
+        except (_PeerFailed, gpucx.UCXError, PeerGone) as exc:
+            raise BenchFailed(f"quit: {exc}") from None
         sess.finished = True
     finally:
         bar.close()

@@ -22,7 +22,18 @@ import gpucx
 from .._lib import lib
 from .memory import BenchSetupError
 
-__all__ = ["Session", "CTRL_TAG", "DATA_TAG", "ACK_TAG", "context_config"]
+__all__ = [
+    "Session",
+    "CTRL_TAG",
+    "DATA_TAG",
+    "ACK_TAG",
+    "context_config",
+    "PeerGone",
+    "BadControlMessage",
+    "parse_ctrl",
+    "reply_field",
+    "quote",
+]
 
 CTRL_TAG = 0x67707563_00000001
 DATA_TAG = 0x67707563_00000002
@@ -46,6 +57,79 @@ def context_config(tls: str | None, listener: bool = False) -> dict | None:
 
 class PeerGone(Exception):
     """The peer process or host went away."""
+
+
+class BadControlMessage(PeerGone):
+    """The peer sent a control message the protocol does not allow: larger
+    than 64 KiB, not UTF-8 JSON, not a JSON object, or a field missing or of
+    the wrong type.  A peer that breaks the protocol is treated as gone:
+    the bench fails with this message (the serving side answers it with an
+    error instead and keeps serving)."""
+
+
+#: How much of a bad value an error message quotes.
+_QUOTE = 80
+
+
+def quote(value: object) -> str:
+    """``repr(value)``, cut to a readable length for error messages."""
+    text = repr(value)
+    return text if len(text) <= _QUOTE else text[: _QUOTE - 3] + "..."
+
+
+def parse_ctrl(data: bytes | bytearray | memoryview) -> dict:
+    """Decode one received control message.
+
+    A pure function over the peer's bytes: at most :data:`_CTRL_MAX` of them
+    are decoded, so a hostile message costs bounded memory and time.
+
+    Raises
+    ------
+    BadControlMessage
+        For more than 64 KiB, bytes that are not UTF-8 JSON (or nest too
+        deep for the decoder), or a document that is not a JSON object.
+    """
+    if len(data) > _CTRL_MAX:
+        raise BadControlMessage(
+            f"control message of {len(data)} bytes (at most {_CTRL_MAX})"
+        )
+    try:
+        obj = json.loads(bytes(data).decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise BadControlMessage(f"control message is not UTF-8 ({exc})") from None
+    except RecursionError:
+        raise BadControlMessage("control message nests too deep") from None
+    except ValueError as exc:
+        raise BadControlMessage(f"control message is not JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise BadControlMessage(
+            f"control message is a JSON {type(obj).__name__}, not an object"
+        )
+    return obj
+
+
+def reply_field(msg: dict, name: str, kind: type | tuple[type, ...]):
+    """``msg[name]``, checked to be an instance of ``kind`` (never a bool
+    where an int is asked for).
+
+    Raises
+    ------
+    BadControlMessage
+        Naming the field, when it is missing or of another type.
+    """
+    if name not in msg:
+        raise BadControlMessage(f"control message without {name!r}: {quote(msg)}")
+    value = msg[name]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        want = (
+            kind.__name__
+            if isinstance(kind, type)
+            else "/".join(k.__name__ for k in kind)
+        )
+        raise BadControlMessage(
+            f"control message field {name!r} is {quote(value)}, not a {want}"
+        )
+    return value
 
 
 class Session:
@@ -98,6 +182,9 @@ class Session:
         ------
         PeerGone
             When the endpoint failed or (child peer) the parent process died.
+        BadControlMessage
+            When the message is not a JSON object of at most 64 KiB (see
+            :func:`parse_ctrl`); it is consumed, the next one can follow.
         gpucx.TimeoutError
             When ``timeout`` seconds pass first.
         """
@@ -125,8 +212,15 @@ class Session:
                     f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
                 )
             lib.gpucx_worker_sleep(w._h, w._efd, 100)
-        info = req.result()
-        return json.loads(bytes(buf[: info.nbytes]))
+        try:
+            info = req.result()
+        except gpucx.MessageTruncatedError as exc:
+            size = exc.message_size
+            what = f"{size} bytes" if size else f"more than {_CTRL_MAX} bytes"
+            raise BadControlMessage(
+                f"control message of {what} (at most {_CTRL_MAX})"
+            ) from None
+        return parse_ctrl(memoryview(buf)[: info.nbytes])
 
     def call(self, obj: dict, timeout: float | None = None) -> dict:
         """Send a control message and return the peer's answer."""

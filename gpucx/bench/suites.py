@@ -26,10 +26,18 @@ import gpucx
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
 from ..request import INPROGRESS, raise_status
-from .memory import BenchSetupError, alloc
-from .session import ACK_TAG, DATA_TAG
+from .memory import MEMORY_KINDS, BenchSetupError, alloc
+from .session import ACK_TAG, DATA_TAG, BadControlMessage, quote, reply_field
+from .sizes import MAX_SIZE
 
-__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench"]
+__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench", "MAX_ITERS", "MAX_WINDOW"]
+
+#: Most iterations (and warm-up iterations) of one point.
+MAX_ITERS = 1 << 32
+#: Largest ``window`` (a C loop allocates one completion slot per message).
+MAX_WINDOW = 1 << 16
+#: Longest per-point ``timeout`` in seconds.
+MAX_TIMEOUT = 1e6
 
 #: Active-message id the AM tests use.
 AM_ID = 7
@@ -55,8 +63,69 @@ class Params:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> Params:
+    def from_dict(cls, d: object) -> Params:
+        """The point a control message describes, every field checked.
+
+        Raises
+        ------
+        ValueError
+            Naming the field: not an object, an unknown or missing field, a
+            value of the wrong type or out of range (size up to 16 GiB,
+            iters and warmup up to 2**32, window up to 65536, a finite
+            timeout up to 1e6 s, a known test and memory kind).
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"params must be an object, not {quote(d)}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in fields)
+        if unknown:
+            raise ValueError(f"params: unknown field(s) {quote(unknown)}")
+        missing = [
+            name
+            for name, f in fields.items()
+            if f.default is dataclasses.MISSING and name not in d
+        ]
+        if missing:
+            raise ValueError(f"params: missing field(s) {missing}")
+        test = d["test"]
+        if not isinstance(test, str) or test not in TESTS:
+            raise ValueError(f"params: unknown test {quote(test)}")
+        _count(d, "size", 0, MAX_SIZE)
+        _count(d, "iters", 1, MAX_ITERS)
+        _count(d, "warmup", 0, MAX_ITERS)
+        _count(d, "window", 1, MAX_WINDOW)
+        for name in ("client_mem", "server_mem"):
+            if name in d and d[name] not in MEMORY_KINDS:
+                raise ValueError(
+                    f"params: bad --memory kind {quote(d[name])} for {name}: "
+                    "use host or cuda"
+                )
+        if "use_async" in d and not isinstance(d["use_async"], bool):
+            raise ValueError(
+                f"params: use_async must be true or false, not {quote(d['use_async'])}"
+            )
+        if "timeout" in d:
+            t = d["timeout"]
+            if (
+                not isinstance(t, (int, float))
+                or isinstance(t, bool)
+                or not 0 < t <= MAX_TIMEOUT
+            ):
+                raise ValueError(
+                    f"params: timeout must be a number in (0, {MAX_TIMEOUT:g}], "
+                    f"not {quote(t)}"
+                )
         return cls(**d)
+
+
+def _count(d: dict, name: str, low: int, high: int) -> None:
+    if name not in d:
+        return
+    v = d[name]
+    if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+        raise ValueError(
+            f"params: {name} must be an int in [{low}, {high}], not {quote(v)}"
+        )
 
 
 def lat_figures(size: int, one_way_ns) -> dict:
@@ -451,7 +520,7 @@ class _RmaBase(Bench):
         # One-sided: the server only progresses until the client is done.
         msg = self.s.recv_ctrl(self.p.timeout)
         if msg.get("op") != "fin":
-            raise BenchSetupError(f"unexpected control message {msg!r}")
+            raise BenchSetupError(f"unexpected control message {quote(msg)}")
 
     def cleanup(self) -> None:
         region = getattr(self, "region", None)
@@ -459,7 +528,13 @@ class _RmaBase(Bench):
             region.close()
 
     def run(self, extra: dict) -> dict:
-        rmem = self.s.ep.unpack(bytes.fromhex(extra["remote"]))
+        token = reply_field(extra, "remote", str)
+        try:
+            rmem = self.s.ep.unpack(bytes.fromhex(token))
+        except ValueError as exc:
+            raise BadControlMessage(
+                f"the peer's region token is malformed ({exc})"
+            ) from None
         try:
             return self.measure(rmem)
         finally:
@@ -514,7 +589,10 @@ class _RmaBw(_RmaBase):
         return out[0]
 
     def run(self, extra: dict) -> dict:
-        self.remote_addr = int(extra["address"])
+        addr = reply_field(extra, "address", int)
+        if not 0 <= addr < 1 << 64:
+            raise BadControlMessage(f"the peer's region address {addr} is not 64-bit")
+        self.remote_addr = addr
         return super().run(extra)
 
     def _phase(self, rmem, n: int) -> int:

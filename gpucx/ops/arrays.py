@@ -309,6 +309,31 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
 _CUDA_INTS = frozenset({int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)})
 
 
+def _limit(w, max_bytes) -> int:
+    """The byte limit of one recv_array call (0: none)."""
+    if max_bytes is None:
+        return w._context._max_array_bytes
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool):
+        raise TypeError(
+            f"recv_array: max_bytes must be an int or None, not "
+            f"{type(max_bytes).__name__}"
+        )
+    if max_bytes < 0:
+        raise ValueError(f"recv_array: max_bytes must be >= 0, not {max_bytes}")
+    return max_bytes
+
+
+def _discard(q, key, pending) -> None:
+    """Drop the first queued array message of a sender.
+
+    A rendezvous message gives its descriptor back to UCX
+    (``ucp_am_data_release``), which completes the sender's request.
+    """
+    pending.popleft()._drop()
+    if not pending:
+        del q[key]
+
+
 def recv_array(
     ep,
     timeout: float | None = None,
@@ -316,6 +341,7 @@ def recv_array(
     *,
     device: int | None = None,
     stream=None,
+    max_bytes: int | None = None,
 ):
     """Receive the next array the peer of ``ep`` sent with ``send_array``.
 
@@ -336,6 +362,12 @@ def recv_array(
         A CUDA stream: the receive is posted only once the work queued on it
         before the call finished; when the call returns the data is in
         memory, visible to kernels launched afterwards on any stream.
+    max_bytes : int or None
+        The largest array payload, in bytes, to accept (0: no limit).  None:
+        the context's ``GPUCX_MAX_ARRAY_BYTES`` option (default 0, no
+        limit).  A larger array is refused before anything is allocated:
+        its message is dropped (the sender's request completes) and
+        ``ValueError`` is raised; the next call gets the next array.
 
     Returns
     -------
@@ -351,7 +383,10 @@ def recv_array(
         memory on a context that cannot move it (the array stays queued:
         retry with another ``allocator=``).
     ValueError
-        A malformed array header (the message is dropped).
+        A malformed array header, or an array of more than ``max_bytes``
+        bytes (the message is dropped); or ``max_bytes`` < 0.
+    TypeError
+        If ``max_bytes`` is not an int or None.
     gpucx.ClosedError
         If the endpoint is closed.
     gpucx.PeerError
@@ -366,6 +401,7 @@ def recv_array(
     w = ep._w
     if not w._am.enabled:
         _am._no_am()
+    limit = _limit(w, max_bytes)
     q = w._am.arrays
     key = int(ffi.cast("uintptr_t", ep._h))
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -385,12 +421,16 @@ def recv_array(
         pending = q.get(key)
     msg = pending[0]
     nbytes = msg.nbytes
+    if limit and nbytes > limit:
+        _discard(q, key, pending)
+        raise ValueError(
+            f"recv_array: the peer sent an array of {nbytes} bytes, more than "
+            f"max_bytes={limit}; the array was dropped"
+        )
     try:
         dtype, shape, memtype = parse_header(msg.header, nbytes)
     except ValueError as exc:
-        pending.popleft()._drop()
-        if not pending:
-            del q[key]
+        _discard(q, key, pending)
         raise ValueError(f"recv_array: malformed array message: {exc}") from None
     raw = _allocate(allocator, nbytes, memtype, device)
     # Posting first: a receive that cannot start leaves the message queued.

@@ -3,6 +3,11 @@
 Values are unsigned ``nbytes * 8``-bit integers; negative operands are taken
 in two's complement (``atomic_add(k, -1)`` decrements).  Fetched values are
 returned unsigned.  The remote address must be aligned to ``nbytes``.
+
+Every operation takes ``stream=`` as put/get do: the atomic is posted only
+once the work queued on that CUDA stream before the call has finished (the
+worker progresses meanwhile).  The local operand and result are host
+memory, so the stream orders the atomic and nothing else.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError
+from ..mem import cuda as _cuda
 from ..mem.remote import RemoteKey
 from ..request import INPROGRESS, SPIN_NS, Request, block, raise_status
 
@@ -32,6 +38,7 @@ _OR = lib.GPUCX_AMO_OR
 _XOR = lib.GPUCX_AMO_XOR
 _SWAP = lib.GPUCX_AMO_SWAP
 _CSWAP = lib.GPUCX_AMO_CSWAP
+_HOST = int(lib.UCS_MEMORY_TYPE_HOST)  # atomics' local operands are host words
 
 
 def _word(value, nbytes: int, what: str, name: str) -> int:
@@ -65,11 +72,14 @@ def _prepare(ep, rkey, offset, nbytes, what):
     return h, raddr
 
 
-def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what):
+def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
     w = ep._w
+    if stream is not None:
+        # Host operands: nothing is made current, prepare() only waits.
+        _cuda.prepare(w, 0, _HOST, stream, what)
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic_wait(
         w._h, h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo, SPIN_NS
@@ -89,10 +99,12 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what):
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
 
 
-def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what):
+def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
+    if stream is not None:
+        _cuda.prepare(ep._w, 0, _HOST, stream, what)
     amo = ffi.new("gpucx_amo_t *")
     lib.gpucx_atomic(h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo)
     if fetch:
@@ -106,6 +118,12 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what):
     return req
 
 
+_STREAM = """
+        ``stream`` (a CUDA stream object or raw handle, optional): the
+        atomic is posted only once the work queued on it before the call
+        finished.
+"""
+
 _RAISES = """
         Raises
         ------
@@ -114,11 +132,13 @@ _RAISES = """
             ``nbytes``, ``nbytes`` not 4 or 8, a value that does not fit,
             a read-only region, or a key of another endpoint.
         TypeError
-            If ``rkey`` is not a RemoteKey or a value is not an int.
+            If ``rkey`` is not a RemoteKey or a value is not an int, or for
+            a bad ``stream``.
         gpucx.UnsupportedError
             (blocking form) UCX has no atomic protocol to this peer, e.g.
             on an endpoint with peer error handling (the ``_nb`` form
-            fails with ``CanceledError``).
+            fails with ``CanceledError``); or a ``stream`` without a CUDA
+            driver.
         gpucx.PeerError
             If the peer died or is unreachable.
         gpucx.ClosedError
@@ -127,20 +147,22 @@ _RAISES = """
 
 
 def _make(name, op, fetch, doc):
-    def blocking(ep, rkey, value, offset: int = 0, nbytes: int = 8):
-        return _run(ep, rkey, op, fetch, value, None, offset, nbytes, name)
+    def blocking(ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None):
+        return _run(ep, rkey, op, fetch, value, None, offset, nbytes, name, stream)
 
-    def nonblocking(ep, rkey, value, offset: int = 0, nbytes: int = 8) -> Request:
-        return _run_nb(ep, rkey, op, fetch, value, None, offset, nbytes, name)
+    def nonblocking(
+        ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None
+    ) -> Request:
+        return _run_nb(ep, rkey, op, fetch, value, None, offset, nbytes, name, stream)
 
     ret = "the old value (unsigned)" if fetch else "None"
     blocking.__name__ = blocking.__qualname__ = name
     blocking.__doc__ = f"""{doc} Blocking; returns {ret}.
-{_RAISES}"""
+{_STREAM}{_RAISES}"""
     nonblocking.__name__ = nonblocking.__qualname__ = name + "_nb"
     nonblocking.__doc__ = f"""{doc} Returns a Request whose ``wait()`` gives
         {ret}.
-{_RAISES}"""
+{_STREAM}{_RAISES}"""
     return blocking, nonblocking
 
 
@@ -155,9 +177,14 @@ fetch_xor, fetch_xor_nb = _make("fetch_xor", _XOR, 1, "Remote ``*p ^= value``.")
 swap, swap_nb = _make("swap", _SWAP, 1, "Remote ``*p = value``.")
 
 
-def compare_swap(ep, rkey, expected, new, offset: int = 0, nbytes: int = 8):
+def compare_swap(
+    ep, rkey, expected, new, offset: int = 0, nbytes: int = 8, *, stream=None
+):
     """Remote ``if *p == expected: *p = new``.  Blocking; returns the old
     value (unsigned): the swap happened iff it equals ``expected``.
+
+    ``stream`` (a CUDA stream object or raw handle, optional): the atomic is
+    posted only once the work queued on it before the call finished.
 
     Raises
     ------
@@ -166,27 +193,34 @@ def compare_swap(ep, rkey, expected, new, offset: int = 0, nbytes: int = 8):
         ``nbytes`` not 4 or 8, a value that does not fit, a read-only
         region, or a key of another endpoint.
     TypeError
-        If ``rkey`` is not a RemoteKey or a value is not an int.
+        If ``rkey`` is not a RemoteKey or a value is not an int, or for a
+        bad ``stream``.
     gpucx.UnsupportedError
         UCX has no atomic protocol to this peer, e.g. on an endpoint with
-        peer error handling.
+        peer error handling; or a ``stream`` without a CUDA driver.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
-    return _run(ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap")
+    return _run(
+        ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap", stream
+    )
 
 
-def compare_swap_nb(ep, rkey, expected, new, offset: int = 0, nbytes: int = 8):
+def compare_swap_nb(
+    ep, rkey, expected, new, offset: int = 0, nbytes: int = 8, *, stream=None
+):
     """Start a :func:`compare_swap`; ``wait()`` returns the old value.
 
     Raises
     ------
-    ValueError, TypeError, gpucx.ClosedError
+    ValueError, TypeError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`compare_swap`, before anything is posted.
     """
-    return _run_nb(ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap")
+    return _run_nb(
+        ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap", stream
+    )
 
 
 __all__ += [n + "_nb" for n in list(__all__)]

@@ -60,13 +60,19 @@ _GET = "get"
 _SLICE_MS = 100
 
 
-def unpack(ep, remote) -> RemoteKey:
+def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     """Unpack a remote-memory token on this endpoint (``ucp_ep_rkey_unpack``).
 
     Parameters
     ----------
     remote : RemoteMemory or bytes-like
         The owner's :meth:`MemoryRegion.remote` token or its ``to_bytes()``.
+    device : int, optional
+        For a CUDA key: the CUDA device whose (primary) context is current
+        while UCX unpacks it -- a CUDA IPC handle opens in that context.
+        None: the calling thread's current device.  Checked for every key
+        (an int >= 0, below the device count when a driver is present), but
+        used only for CUDA keys.
 
     Returns
     -------
@@ -76,9 +82,13 @@ def unpack(ep, remote) -> RemoteKey:
     Raises
     ------
     ValueError
-        For a malformed token blob (see :meth:`RemoteMemory.from_bytes`).
+        For a malformed token blob (see :meth:`RemoteMemory.from_bytes`),
+        or a ``device`` < 0 or not below the number of CUDA devices.
     TypeError
-        If ``remote`` is neither a token nor bytes-like.
+        If ``remote`` is neither a token nor bytes-like, or ``device`` is
+        not an int.
+    gpucx.UnsupportedError
+        ``device`` given for a CUDA key without a CUDA driver here.
     gpucx.UCXError
         If UCX cannot unpack the key.
     gpucx.ClosedError
@@ -87,16 +97,40 @@ def unpack(ep, remote) -> RemoteKey:
     if ep._h is None:
         raise_closed(ep)
     rem = as_remote(remote)
+    cuda_key = rem.memory_type in CUDA_TYPES
+    # The driver loads on first use: only when a device matters.
+    drv = _cuda.driver() if cuda_key or device is not None else None
+    if device is not None:
+        _check_device(device, drv, cuda_key)
     # Unpacking a CUDA key may open a CUDA IPC handle, in the current
-    # context: have one current (the thread's device; a progress thread may
-    # have none).  Without a local driver the key can still serve RDMA.
+    # context: have one current (device=, else the thread's device; a
+    # progress thread may have none).  Without a local driver the key can
+    # still serve RDMA.
     pushed = False
-    if rem.memory_type in CUDA_TYPES and _cuda.driver() is not None:
-        pushed = _cuda.enter(0, _cuda.current_device())
+    if cuda_key and drv is not None:
+        pushed = _cuda.enter(0, _cuda.current_device() if device is None else device)
     try:
         return RemoteKey(ep, rem)
     finally:
         _cuda.leave(pushed)
+
+
+def _check_device(device, drv, cuda_key: bool) -> None:
+    if not isinstance(device, int) or isinstance(device, bool):
+        raise TypeError(f"unpack: device must be an int, not {type(device).__name__}")
+    if device < 0:
+        raise ValueError(f"unpack: device must be >= 0, not {device}")
+    if drv is None:
+        if cuda_key:
+            raise UnsupportedError(
+                f"unpack: device={device} for a CUDA key needs {_cuda.driver_problem()}"
+            )
+        return
+    count = drv.device_count()
+    if device >= count:
+        raise ValueError(
+            f"unpack: device={device}: this host has {count} CUDA device(s)"
+        )
 
 
 def _key(rkey) -> RemoteKey:

@@ -321,8 +321,12 @@ class ProbedMessage:
     def __repr__(self) -> str:
         return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes}>"
 
-    def recv_nb(self, buf) -> Request:
+    def recv_nb(self, buf, *, stream=None) -> Request:
         """Start receiving the message into ``buf``.
+
+        ``stream`` (a CuPy/Numba/PyTorch stream or a raw handle): the
+        receive is posted only once the work queued on it before the call
+        finished, as for :func:`recv`.
 
         Raises
         ------
@@ -330,14 +334,24 @@ class ProbedMessage:
             If the message was already received.
         BufferError
             If ``buf`` is read-only or not contiguous.
+        gpucx.UnsupportedError
+            For CUDA memory on a context that cannot move it, or a
+            ``stream`` without a CUDA driver (the message stays yours to
+            receive).
+        TypeError, ValueError
+            For a bad ``stream`` (the message stays yours to receive).
+        gpucx.ClosedError
+            If the worker is closed.
         """
         w = self._worker
         if w._h is None:
             raise_closed(w)
         if self._taken:
             raise RuntimeError("this probed message was already received")
-        ptr, n, mt, keep = acquire(buf, True)
-        cu = mt != _HOST and _cuda.prepare(w, ptr, mt, None, _RECV)
+        ptr, n, mt, keep = acquire(buf, True, stream)
+        cu = (mt != _HOST or stream is not None) and _cuda.prepare(
+            w, ptr, mt, stream, _RECV
+        )
         slot = new_slot()
         self._taken = True
         lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
@@ -345,9 +359,20 @@ class ProbedMessage:
             _cuda.leave(cu)
         return Request(w, slot, keep, _RECV, _recv_info, None, n)
 
-    def recv(self, buf, timeout: float | None = None) -> RecvInfo:
-        """Receive the message into ``buf`` (blocking)."""
-        return self.recv_nb(buf).wait(timeout)
+    def recv(self, buf, timeout: float | None = None, *, stream=None) -> RecvInfo:
+        """Receive the message into ``buf`` (blocking); ``stream`` as for
+        :meth:`recv_nb`.
+
+        Raises
+        ------
+        RuntimeError, BufferError, gpucx.UnsupportedError, TypeError, ValueError
+            As for :meth:`recv_nb`.
+        gpucx.TimeoutError
+            When ``timeout`` passes first.
+        gpucx.ClosedError
+            If the worker is closed.
+        """
+        return self.recv_nb(buf, stream=stream).wait(timeout)
 
 
 def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False):
