@@ -29,7 +29,6 @@ import argparse
 import multiprocessing as mp
 import os
 import re
-import select
 import statistics
 import subprocess
 import sys
@@ -65,21 +64,21 @@ def owner(tls, conn, nbytes):
         word = np.zeros(1, np.uint64)
         progress = w.progress
         # Busy progress while the client connects and warms up.  From its
-        # "idle" on, this process sleeps on the worker's event fd between
-        # commands, as ucx_perftest's server sleeps: one-sided traffic over
-        # shared memory needs nothing from it (over TCP it still answers).
+        # "idle" on, one-sided traffic over shared memory and CMA needs
+        # nothing from this process, which then blocks between commands as
+        # ucx_perftest's server does.  TCP emulates puts and gets with
+        # messages the owner must progress (and their arrival does not wake
+        # the worker's event fd), so over TCP it keeps polling.
         while not conn.poll(0):
             for _ in range(1000):  # a syscall per 1000 polls only
                 progress()
-        fds = [w.fileno(), conn.fileno()]
+        busy = "tcp" in tls
         while True:
+            while busy and not conn.poll(0):
+                for _ in range(1000):  # a syscall per 1000 polls only
+                    progress()
             cmd = conn.recv()
             if cmd[0] == "idle":
-                while not conn.poll(0):
-                    while progress():
-                        pass
-                    if w.arm():
-                        select.select(fds, [], [], 1.0)
                 continue
             if cmd[0] == "pong":
                 n = cmd[1]
