@@ -67,8 +67,8 @@ def owner(tls, conn, nbytes):
         # "idle" on, one-sided traffic over shared memory and CMA needs
         # nothing from this process, which then blocks between commands as
         # ucx_perftest's server does.  TCP emulates puts and gets with
-        # messages the owner must progress (and their arrival does not wake
-        # the worker's event fd), so over TCP it keeps polling.
+        # messages the owner must progress (sleeping on the worker's event fd
+        # between them stalled this test), so over TCP it keeps polling.
         while not conn.poll(0):
             for _ in range(1000):  # a syscall per 1000 polls only
                 progress()
