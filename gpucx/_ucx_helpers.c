@@ -185,6 +185,15 @@ static void gpucx__conn_cb(ucp_conn_request_h req, void *arg)
 
 /* ---- slots ------------------------------------------------------------- */
 
+/* Free the UCX request exactly once, after its callback ran. */
+static inline void gpucx__release(gpucx_slot_t *slot)
+{
+    if (slot->req != NULL && slot->status != UCS_INPROGRESS) {
+        ucp_request_free(slot->req);
+        slot->req = NULL;
+    }
+}
+
 /* Record the outcome of a post: NULL = done now, error pointer = failed now,
  * anything else = pending; the callback writes slot->status later. */
 static inline ucs_status_t gpucx__posted(gpucx_slot_t *slot, ucs_status_ptr_t p)
@@ -197,6 +206,9 @@ static inline ucs_status_t gpucx__posted(gpucx_slot_t *slot, ucs_status_ptr_t p)
         slot->req    = NULL;
     } else {
         slot->req = p;
+        /* Should the callback already have run, free the request now: a
+         * caller that sees a final status holds no reference to it. */
+        gpucx__release(slot);
     }
     return slot->status;
 }
@@ -210,15 +222,6 @@ static inline ucs_status_t gpucx__tag_posted(gpucx_slot_t *slot,
         slot->length = slot->info.length;
     }
     return gpucx__posted(slot, p);
-}
-
-/* Free the UCX request exactly once, after its callback ran. */
-static inline void gpucx__release(gpucx_slot_t *slot)
-{
-    if (slot->req != NULL && slot->status != UCS_INPROGRESS) {
-        ucp_request_free(slot->req);
-        slot->req = NULL;
-    }
 }
 
 static void gpucx_slot_release(gpucx_slot_t *slot)

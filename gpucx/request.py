@@ -30,7 +30,7 @@ from .errors import (
     peer_error_for,
 )
 
-__all__ = ["Request", "RecvInfo", "block", "INPROGRESS"]
+__all__ = ["Request", "RecvInfo", "block", "INPROGRESS", "posted"]
 
 INPROGRESS = lib.UCS_INPROGRESS
 OK = lib.UCS_OK
@@ -92,6 +92,11 @@ def block(worker, slot, timeout: float | None, keep: Any = None, ep=None) -> int
     h = worker._h
     efd = worker._efd
     deadline = None if timeout is None else time.monotonic() + timeout
+    if slot is worker._sslot:
+        # Waiting runs Python (AM handlers, aio callbacks) that may start
+        # blocking calls of its own: they get a fresh shared slot, this one
+        # stays with the operation it belongs to.
+        worker._sslot = new_slot()
     try:
         while True:
             st = lib.gpucx_wait(h, slot, SPIN_NS)
@@ -335,3 +340,41 @@ class Request:
         from . import aio
 
         return aio.wait_request(self).__await__()
+
+
+class _Settled(Request):
+    """A request UCX finished while it was posted, with no result to carry
+    (a send, put or get): settled from birth, nothing to free or track.
+
+    Its attributes are class constants, so making one costs an empty object.
+    """
+
+    __slots__ = ()
+    _state = 1
+    _value = None
+    _keep = None
+    _worker = None
+    _ep = None
+    _finish = None
+    _nbytes = None
+    _what = "operation"
+    _slot = ffi.new(_SLOT_P, {"status": OK})
+
+
+_new_settled = object.__new__
+
+
+def posted(worker, slot, st: int, keep, what: str, ep) -> Request:
+    """The :class:`Request` of a just-posted send, put or get (``wait()``
+    returns None) whose post returned ``st``.
+
+    ``slot`` may be the worker's shared slot (single-thread workers): an
+    operation that finished at once leaves it free for the next one and gets
+    a settled request without a slot; one still pending keeps it, and the
+    worker takes a fresh shared slot.
+    """
+    if st == OK:
+        return _new_settled(_Settled)
+    if slot is worker._sslot:
+        worker._sslot = new_slot()
+    return Request(worker, slot, keep, what, None, ep)

@@ -76,3 +76,28 @@ def array_sender_peer(tls, q, sends):
                 seen.append(f"{type(exc).__name__}: {exc}")
         q.put(("sent", seen))
         assert q.get(60) == "bye"
+
+
+def nested_reply_peer(tls, q):
+    """Send an AM that asks for a reply, wait for the reply, then send a tag
+    message: the client receives it with a blocking recv whose wait runs the
+    AM handler, which replies with a blocking send of its own."""
+    import time
+
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        q.put(w.address)
+        ep = w.connect(q.get())
+        got = []
+        w.set_am_handler(4, got.append)
+        time.sleep(0.2)  # the client is asleep in its blocking recv by now
+        ep.am_send(3, b"ping", reply=True)
+        end = time.monotonic() + 30
+        while not got:
+            w.progress()
+            assert time.monotonic() < end, "no reply"
+        assert bytes(got[0].data) == b"pong"
+        time.sleep(0.2)
+        ep.send(np.arange(4096, dtype=np.uint8), tag=7)
+        assert q.get() == "bye"
+        ep.close()

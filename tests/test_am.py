@@ -514,3 +514,35 @@ def test_pool_is_bounded(pair):
     del got[:]
     assert not pair.b._am.held
     assert len(pair.b._am.free) == _am._POOL_MAX
+
+
+def test_blocking_reply_inside_a_blocking_wait(tls):
+    """A blocking recv sleeps; its wait runs an AM handler that replies with a
+    blocking send.  The two blocking calls must not share a completion slot:
+    the recv returns only with its own message."""
+    from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import nested_reply_peer
+
+    q, theirs = channel_pair()
+    child = spawn(nested_reply_peer, tls, theirs)
+    try:
+        with gpucx.Context(config=transport_config(tls)) as ctx:
+            w = ctx.create_worker()
+            ep = w.connect(q.get(60))
+            q.put(w.address)
+            replied = []
+
+            def on_ping(msg):
+                msg.reply_ep.am_send(4, b"pong")
+                replied.append(bytes(msg.data))
+
+            w.set_am_handler(3, on_ping)
+            buf = np.zeros(4096, np.uint8)
+            info = w.recv(buf, tag=7, timeout=30)
+            assert replied == [b"ping"]
+            assert info == (7, 4096)
+            assert np.array_equal(buf, np.arange(4096, dtype=np.uint8))
+            q.put("bye")
+            ep.close()
+    finally:
+        join_ok(child, 60)

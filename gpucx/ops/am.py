@@ -37,7 +37,7 @@ from .._lib import ffi, lib
 from ..errors import MessageTruncatedError, UnsupportedError, check
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
-from ..request import SPIN_NS, Request, finish, new_slot
+from ..request import SPIN_NS, Request, finish, new_slot, posted
 
 __all__ = [
     "AmMessage",
@@ -620,8 +620,9 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
     cu = (mt != _HOST or stream is not None) and _cuda.prepare(
         ep._w, ptr, mt, stream, _SEND
     )
-    slot = new_slot()
-    lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+    w = ep._w
+    slot = new_slot() if w._multi else w._sslot
+    st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     if cu:
         _cuda.leave(cu)
-    return Request(ep._w, slot, keep, _SEND, None, ep)
+    return posted(w, slot, st, keep, _SEND, ep)

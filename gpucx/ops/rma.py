@@ -34,6 +34,7 @@ from ..request import (
     Request,
     finish,
     new_slot,
+    posted,
     raise_status,
 )
 
@@ -241,9 +242,9 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
             )
     cu = (mt != _HOST or stream is not None) and _cuda.prepare(w, ptr, mt, stream, _PUT)
     if notify is None:
-        slot = new_slot()
-        lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        req = Request(w, slot, (keep, rkey), _PUT, None, ep)
+        slot = _sync_slot(w)
+        st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
+        req = posted(w, slot, st, (keep, rkey), _PUT, ep)
     else:
         op = ffi.new("gpucx_notify_op_t *")
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
@@ -312,12 +313,12 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     cu = (mt != _HOST or stream is not None) and _cuda.prepare(
         ep._w, ptr, mt, stream, _GET
     )
-    slot = new_slot()
-    lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
+    w = ep._w
+    slot = _sync_slot(w)
+    st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
     if cu:
         _cuda.leave(cu)
-    req = Request(ep._w, slot, (keep, rkey), _GET, None, ep)
-    return req
+    return posted(w, slot, st, (keep, rkey), _GET, ep)
 
 
 # -- the owner's side of put-with-notify --------------------------------------

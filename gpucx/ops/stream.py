@@ -19,6 +19,7 @@ from ..request import (
     block,
     finish,
     new_slot,
+    posted,
     raise_status,
 )
 
@@ -106,11 +107,12 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
     cu = (mt != _HOST or stream is not None) and _cuda.prepare(
         ep._w, ptr, mt, stream, _SEND
     )
-    slot = new_slot()
-    lib.gpucx_stream_send(h, ptr, n, mt, slot)
+    w = ep._w
+    slot = _sync_slot(w)
+    st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
     if cu:
         _cuda.leave(cu)
-    return Request(ep._w, slot, keep, _SEND, None, ep)
+    return posted(w, slot, st, keep, _SEND, ep)
 
 
 def _length(req) -> int:

@@ -25,6 +25,7 @@ from ..request import (
     block,
     finish,
     new_slot,
+    posted,
     raise_status,
 )
 
@@ -156,7 +157,8 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
     h = ep._h
     if h is None:
         raise_closed(ep)
-    slot = new_slot()
+    w = ep._w
+    slot = new_slot() if w._multi else w._sslot
     cu = False
     try:
         if type(buf) is list or type(buf) is tuple:
@@ -176,8 +178,7 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
     finally:
         if cu:
             _cuda.leave(cu)
-    del st
-    return Request(ep._w, slot, keep, _SEND, None, ep)
+    return posted(w, slot, st, keep, _SEND, ep)
 
 
 def _recv_info(req) -> RecvInfo:
