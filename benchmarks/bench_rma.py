@@ -63,23 +63,13 @@ def owner(tls, conn, nbytes):
         key = ep.unpack(blob)
         word = np.zeros(1, np.uint64)
         progress = w.progress
-        # Busy progress while the client connects and warms up.  From its
-        # "idle" on, one-sided traffic over shared memory and CMA needs
-        # nothing from this process, which then blocks between commands as
-        # ucx_perftest's server does.  TCP emulates puts and gets with
-        # messages the owner must progress (sleeping on the worker's event fd
-        # between them stalled this test), so over TCP it keeps polling.
-        while not conn.poll(0):
-            for _ in range(1000):  # a syscall per 1000 polls only
-                progress()
-        busy = "tcp" in tls
+        # Poll between commands, as ucx_perftest's server does during its
+        # put/get tests.
         while True:
-            while busy and not conn.poll(0):
+            while not conn.poll(0):
                 for _ in range(1000):  # a syscall per 1000 polls only
                     progress()
             cmd = conn.recv()
-            if cmd[0] == "idle":
-                continue
             if cmd[0] == "pong":
                 n = cmd[1]
                 for i in range(1, n + 1):
@@ -127,9 +117,6 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
             # Like ucx_perftest, the local buffers are mapped by UCX too.
             src_region = ctx.allocate(big) if alloc_src else None
             src = src_region.as_array() if alloc_src else np.ones(big, np.uint8)
-            _window(ep.put_nb, src[:8], key, 3)
-            ep.flush()
-            parent.send(("idle",))
             for size in sizes:
                 n = iters[size]
                 buf = src[:size]
@@ -249,6 +236,10 @@ ROWS = {
 }
 
 
+def _size_name(size: int) -> str:
+    return f"{size // MiB} MiB" if size % MiB == 0 else f"{size >> 10} KiB"
+
+
 def one_round(tls, sizes, iters, lat_iters) -> dict:
     """Every figure once: name -> (gpucx, perftest, ratio).  Each perftest
     run follows the gpucx runs of its test directly."""
@@ -260,7 +251,7 @@ def one_round(tls, sizes, iters, lat_iters) -> dict:
             for name, t in ROWS.items():
                 if t == test:
                     v = g[(name, size)]
-                    out[f"{name} {size // MiB} MiB"] = ("MiB/s", v, p, v / p)
+                    out[f"{name} {_size_name(size)}"] = ("MiB/s", v, p, v / p)
     p = perftest("ucp_put_lat", 8, lat_iters, tls)["p50"]
     v = g[("put_lat", 8)]
     out["put_lat 8 B (one-way, p50)"] = ("us", v, p, p / v)
@@ -277,12 +268,18 @@ def main():
     ap.add_argument("--tls", default="default", help="default, tcp, sm,self ...")
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    ap.add_argument("--sizes", default="1M,16M", help="message sizes, e.g. 256K,1M,4M")
     args = ap.parse_args()
-    sizes = [1 * MiB, 16 * MiB]
-    iters = {1 * MiB: 2000, 16 * MiB: 100}
+    units = {"K": 1 << 10, "M": MiB}
+    sizes = [
+        int(x[:-1]) * units[x[-1].upper()] if x[-1].upper() in units else int(x)
+        for x in args.sizes.split(",")
+    ]
+    # About 2 GiB (at least 100 messages) per figure; --quick: 50 MiB.
+    iters = {s: max(100, (2 << 30) // s) for s in sizes}
     lat_iters = 10000
     if args.quick:
-        iters = {1 * MiB: 50, 16 * MiB: 10}
+        iters = {s: max(10, (50 * MiB) // s) for s in sizes}
         lat_iters = 2000
     # The VM has fast and slow periods: each round puts every gpucx figure
     # next to its perftest run, and the ratio is taken within the round.
