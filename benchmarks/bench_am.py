@@ -4,8 +4,11 @@ Measures between two processes on this host (default UCX transports):
 
 * 8-byte AM round trip; reported as one-way latency (half the round trip),
   like the overall latency column of ``ucx_perftest -t ucp_am_lat``;
-* AM bandwidth at 1 MiB and 16 MiB (receiver: ``receive_into`` a buffer,
-  zero copy), against ``ucx_perftest -t ucp_am_bw``;
+* AM bandwidth at 1 MiB and 16 MiB against ``ucx_perftest -t ucp_am_bw``,
+  with two receivers: a handler per message that calls ``receive_into`` (a
+  reused buffer, zero copy), and receives posted ahead with
+  ``worker.am_recv_nb`` (matched in the UCX callback, no Python per
+  message);
 * ``send_array``/``recv_array`` bandwidth at 16 MiB against raw AM
   bandwidth (a fresh array per message, as ``recv_array`` returns).
 
@@ -44,9 +47,16 @@ MIB = 1 << 20
 # -- gpucx peer ---------------------------------------------------------------
 
 
-def _server(conn, mode: str, size: int, iters: int) -> None:
+def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
+        if mode == "posted":
+            # Receives posted ahead, matched in the UCX callback: no Python
+            # per message, only per round.  The first round is posted before
+            # the client can send (a message that finds neither a posted
+            # receive nor a handler is dropped).
+            buf = np.empty(size, np.uint8)
+            reqs = [w.am_recv_nb(DATA, buf) for _ in range(iters)]
         conn.send(w.address)
         ep = w.connect(conn.recv(), error_handling=False)
         if mode == "lat":
@@ -71,6 +81,14 @@ def _server(conn, mode: str, size: int, iters: int) -> None:
                     if len(reqs) == iters and all(r.done() for r in reqs):
                         reqs.clear()
                         ep.am_send(ACK, b"")
+        elif mode == "posted":
+            for r in range(rounds):
+                reqs[-1].wait()  # the last is matched last: a C wait loop
+                for req in reqs:
+                    req.wait()
+                if r + 1 < rounds:  # post the next round, then say so
+                    reqs = [w.am_recv_nb(DATA, buf) for _ in range(iters)]
+                ep.am_send(ACK, b"")
         elif mode == "array":
             count = 0
             while not conn.poll(0):
@@ -87,10 +105,10 @@ def _server(conn, mode: str, size: int, iters: int) -> None:
 
 
 class _Peer:
-    def __init__(self, mode: str, size: int, iters: int):
+    def __init__(self, mode: str, size: int, iters: int, rounds: int = 0):
         self.conn, theirs = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=_server, args=(theirs, mode, size, iters), daemon=True
+            target=_server, args=(theirs, mode, size, iters, rounds), daemon=True
         )
         self.proc.start()
         self.ctx = gpucx.Context()
@@ -136,7 +154,7 @@ def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
 
 def _bw_round(w, ep, payload, iters, acks, kind):
     start = acks[0]
-    if kind == "am":
+    if kind in ("am", "posted"):
         reqs = [ep.am_send_nb(DATA, payload) for _ in range(iters)]
     else:
         reqs = [ep.send_array_nb(payload) for _ in range(iters)]
@@ -146,8 +164,10 @@ def _bw_round(w, ep, payload, iters, acks, kind):
 
 def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
-    best of ``runs`` runs: ``kind`` "am" (raw AM) or "array"."""
-    peer = _Peer("bw" if kind == "am" else "array", size, iters)
+    best of ``runs`` runs: ``kind`` "am" (a handler calls receive_into),
+    "posted" (receives posted ahead) or "array"."""
+    mode = {"am": "bw", "posted": "posted"}.get(kind, "array")
+    peer = _Peer(mode, size, iters, 1 + rounds * runs)  # with the warm-up round
     w, ep = peer.w, peer.ep
     acks = [0]
 
@@ -220,7 +240,9 @@ def one_round(a, port: int) -> dict:
         n = max(a.bw_iters, 64 * MIB // size)
         bw = gpucx_bw(size, n, "am")
         _, pbw = perftest("ucp_am_bw", size, n * 8, port + size // MIB)  # as many
-        out[f"AM bandwidth {size // MIB} MiB (MiB/s)"] = (bw, pbw, bw / pbw)
+        posted = gpucx_bw(size, n, "posted")
+        out[f"AM {size // MIB} MiB, handler (MiB/s)"] = (bw, pbw, bw / pbw)
+        out[f"AM {size // MIB} MiB, posted (MiB/s)"] = (posted, pbw, posted / pbw)
         raw = bw
     arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
     out["send/recv_array 16 MiB (MiB/s)"] = (arr, raw, arr / raw)

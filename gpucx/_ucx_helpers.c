@@ -229,10 +229,16 @@ static void gpucx_slot_release(gpucx_slot_t *slot)
     gpucx__release(slot);
 }
 
+struct gpucx_am_reg;
+static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
+
 static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
     if (slot->status == UCS_INPROGRESS && slot->req != NULL) {
         ucp_request_cancel(worker, slot->req);
+    } else if (slot->status == UCS_INPROGRESS && slot->kind == 2) {
+        /* A posted AM receive no message matched yet (am.c). */
+        gpucx__am_unpost((struct gpucx_am_reg *)(uintptr_t)slot->value, slot);
     }
     return slot->status;
 }

@@ -258,6 +258,8 @@ class Worker(Handle):
     # -- active messages (facades over gpucx.ops.am) ---------------------------
 
     set_am_handler = _am.set_am_handler
+    am_recv = _am.am_recv
+    am_recv_nb = _am.am_recv_nb
 
     def _endpoint_for(self, h):
         """The Endpoint for UCX endpoint ``h`` (an AM reply endpoint): the

@@ -101,3 +101,21 @@ def nested_reply_peer(tls, q):
         ep.send(np.arange(4096, dtype=np.uint8), tag=7)
         assert q.get() == "bye"
         ep.close()
+
+
+def am_burst_peer(tls, q, sizes):
+    """Send one active message (id 11) per size in ``sizes``, byte value
+    ``i % 251 + 1`` for the i-th, then wait for "bye"."""
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        q.put(w.address)
+        ep = w.connect(q.get())
+        assert q.get() == "go"
+        reqs = [
+            ep.am_send_nb(11, np.full(n, i % 251 + 1, np.uint8))
+            for i, n in enumerate(sizes)
+        ]
+        for r in reqs:
+            r.wait(60)
+        assert q.get() == "bye"
+        ep.close()

@@ -546,3 +546,127 @@ def test_blocking_reply_inside_a_blocking_wait(tls):
             ep.close()
     finally:
         join_ok(child, 60)
+
+
+# -- posted receives (worker.am_recv_nb / am_recv) ----------------------------------
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_posted_receives_match_in_order_without_the_handler(pair, tls, proto):
+    n = 100 if proto == "eager" else 1 << 20
+    handled = collect(pair.b, 12)
+    bufs = [np.zeros(n, np.uint8) for _ in range(3)]
+    recvs = [pair.b.am_recv_nb(12, buf) for buf in bufs]
+    sends = [
+        pair.ab.am_send_nb(12, np.full(n, k + 1, np.uint8), proto=proto)
+        for k in range(3)
+    ]
+    assert pair.drive(*recvs, *sends, timeout=30)[:3] == [n, n, n]
+    for k, buf in enumerate(bufs):
+        assert (buf == k + 1).all()
+    assert not handled  # matched messages never reach the handler
+
+
+def test_messages_without_a_posted_receive_go_to_the_handler(pair):
+    handled = collect(pair.b, 13)
+    buf = bytearray(8)
+    recv = pair.b.am_recv_nb(13, buf)
+    sends = [pair.ab.am_send_nb(13, b"first!!!"), pair.ab.am_send_nb(13, b"second")]
+    pair.drive(recv, *sends)
+    assert recv.result() == 8 and bytes(buf) == b"first!!!"
+    pump(pair, lambda: handled)
+    assert bytes(handled[0].data) == b"second"
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_posted_receive_too_small_fails_and_drops_the_message(pair, tls, proto):
+    small = pair.b.am_recv_nb(14, np.zeros(10, np.uint8))
+    big = np.zeros(100, np.uint8)
+    nxt = pair.b.am_recv_nb(14, big)
+    s1 = pair.ab.am_send_nb(14, np.ones(100, np.uint8), proto=proto)
+    s2 = pair.ab.am_send_nb(14, np.full(100, 7, np.uint8), proto=proto)
+    end = time.monotonic() + 10
+    while not (small.done() and nxt.done() and s1.done() and s2.done()):
+        pair.a.progress()
+        pair.b.progress()
+        assert time.monotonic() < end
+    with pytest.raises(gpucx.MessageTruncatedError) as err:
+        small.result()
+    assert err.value.buffer_size == 10 and err.value.message_size == 100
+    assert s1.result() is None  # the sender completes
+    assert nxt.result() == 100 and (big == 7).all()
+
+
+def test_posted_receive_cancel_and_timeout_lose_nothing(pair):
+    handled = collect(pair.b, 15)
+    req = pair.b.am_recv_nb(15, bytearray(4))
+    assert req.cancel()
+    with pytest.raises(gpucx.CanceledError):
+        req.wait(5)
+    with pytest.raises(gpucx.TimeoutError):
+        pair.b.am_recv(15, bytearray(4), timeout=0.1)
+    pair.drive(pair.ab.am_send_nb(15, b"kept"))
+    pump(pair, lambda: handled)  # withdrawn receives took nothing
+    assert bytes(handled[0].data) == b"kept"
+    buf = bytearray(4)
+    req = pair.b.am_recv_nb(15, buf)
+    pair.drive(req, pair.ab.am_send_nb(15, b"next"))
+    assert req.result() == 4 and bytes(buf) == b"next"
+
+
+def test_blocking_am_recv_of_an_empty_message(pair):
+    req = pair.b.am_recv_nb(16, bytearray(0))
+    pair.drive(req, pair.ab.am_send_nb(16, b""))
+    assert req.result() == 0
+
+
+def test_posted_receive_errors(pair):
+    from fakegpu import FakeCudaArrayV2
+
+    with pytest.raises(ValueError, match="am_id"):
+        pair.b.am_recv_nb(0xFF10, bytearray(4))
+    with pytest.raises(TypeError):
+        pair.b.am_recv_nb("1", bytearray(4))
+    with pytest.raises(BufferError):
+        pair.b.am_recv_nb(17, b"read-only")
+    with pytest.raises(gpucx.UnsupportedError, match="host memory"):
+        pair.b.am_recv_nb(17, FakeCudaArrayV2(np.zeros(8, np.uint8)))
+    with gpucx.Context(features={"tag"}) as ctx:
+        w = ctx.create_worker()
+        with pytest.raises(gpucx.UnsupportedError, match='"am" feature'):
+            w.am_recv_nb(17, bytearray(4))
+
+
+def test_worker_close_cancels_posted_receives(ctx):
+    p = Pair(ctx)
+    req = p.b.am_recv_nb(18, bytearray(4))
+    p.b.close()
+    with pytest.raises((gpucx.CanceledError, gpucx.ClosedError)):
+        req.wait(5)
+    with pytest.raises(gpucx.ClosedError):
+        p.b.am_recv_nb(18, bytearray(4))
+    p.a.close()
+
+
+def test_posted_receives_across_processes(tls):
+    from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import am_burst_peer
+
+    sizes = [0, 1, 100, 8192, 65536, 1 << 20, 4 << 20, 3]
+    q, theirs = channel_pair()
+    child = spawn(am_burst_peer, tls, theirs, sizes)
+    try:
+        with gpucx.Context(config=transport_config(tls)) as ctx:
+            w = ctx.create_worker()
+            ep = w.connect(q.get(60))
+            q.put(w.address)
+            bufs = [np.zeros(n, np.uint8) for n in sizes]
+            reqs = [w.am_recv_nb(11, buf) for buf in bufs]
+            q.put("go")
+            assert [r.wait(60) for r in reqs] == sizes
+            for i, buf in enumerate(bufs):
+                assert (buf == i % 251 + 1).all()
+            q.put("bye")
+            ep.close()
+    finally:
+        join_ok(child, 60)

@@ -52,6 +52,9 @@ ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
                                 uint64_t spin_ns);
 ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc, void *buf,
                                 size_t len, int memory_type, gpucx_slot_t *slot);
+ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
+                           gpucx_slot_t *slot);
+void gpucx_am_unpost_all(gpucx_am_reg_t *reg);
 ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m, void *buf,
                                int memory_type, gpucx_slot_t *slot);
 """

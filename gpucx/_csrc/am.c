@@ -38,11 +38,28 @@ typedef struct gpucx_am_state {
     pthread_mutex_t lock;
 } gpucx_am_state_t;
 
-/* One per registered AM id: the callback does not get the id from UCX. */
+/* A receive buffer posted for the next message of one AM id. */
+typedef struct gpucx_am_post {
+    void         *buf;
+    size_t        len;
+    gpucx_slot_t *slot;
+} gpucx_am_post_t;
+
+/* One per registered AM id: the callback does not get the id from UCX.
+ * posts[phead, ptail) are the receives posted for the id, oldest first
+ * (guarded by state->lock). */
 typedef struct gpucx_am_reg {
     gpucx_am_state_t *state;
     unsigned          id;
+    gpucx_am_post_t  *posts;
+    unsigned          phead;
+    unsigned          ptail;
+    unsigned          pcap;
 } gpucx_am_reg_t;
+
+/* slot->kind of a posted AM receive not yet matched (slot->value holds its
+ * gpucx_am_reg_t *), for gpucx_slot_cancel. */
+#define GPUCX_SLOT_AM_POSTED 2
 
 static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
@@ -73,6 +90,43 @@ static int gpucx__amq_reserve(gpucx_am_state_t *st)
     return 1;
 }
 
+static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
+                                       void *buf, size_t len, int memory_type,
+                                       gpucx_slot_t *slot);
+
+/* Hand an arriving message to the oldest posted receive (called with the
+ * state lock held; releases it).  A rendezvous payload is fetched straight
+ * into the posted buffer; an eager one is copied.  A message larger than
+ * the buffer fails the receive and is dropped. */
+static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
+                                      size_t length, uint64_t attr)
+{
+    gpucx_am_state_t *st = reg->state;
+    gpucx_am_post_t   p  = reg->posts[reg->phead++];
+
+    if (reg->phead == reg->ptail) {
+        reg->phead = reg->ptail = 0;
+    }
+    p.slot->kind = 0;
+    pthread_mutex_unlock(&st->lock);
+    if (length > p.len) {
+        p.slot->length = length;
+        p.slot->status = UCS_ERR_MESSAGE_TRUNCATED;
+        return UCS_OK; /* dropped: a rendezvous sender completes */
+    }
+    if (attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        gpucx_am_recv_data(st->worker, data, p.buf, length,
+                           UCS_MEMORY_TYPE_HOST, p.slot);
+        return UCS_INPROGRESS; /* the descriptor now belongs to the receive */
+    }
+    if (length != 0) {
+        memcpy(p.buf, data, length);
+    }
+    p.slot->length = length;
+    p.slot->status = UCS_OK;
+    return UCS_OK;
+}
+
 static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
                                       size_t header_length, void *data,
                                       size_t length,
@@ -87,6 +141,13 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
     void             *hdr  = NULL;
     void             *copy = NULL;
 
+    if (reg->ptail != reg->phead) { /* unlocked peek; checked again below */
+        pthread_mutex_lock(&st->lock);
+        if (reg->ptail != reg->phead) {
+            return gpucx__am_deliver(reg, data, length, attr);
+        }
+        pthread_mutex_unlock(&st->lock);
+    }
     if (header_length != 0) {
         hdr = malloc(header_length);
     }
@@ -138,6 +199,88 @@ static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
     p.cb    = install ? gpucx__am_recv_cb : NULL;
     p.arg   = install ? reg : NULL;
     return ucp_worker_set_am_recv_handler(reg->state->worker, &p);
+}
+
+/* Post buf for the next message of reg's id.  Returns UCS_INPROGRESS, or
+ * UCS_ERR_NO_MEMORY. */
+static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
+                                  gpucx_slot_t *slot)
+{
+    gpucx_am_state_t *st = reg->state;
+    gpucx_am_post_t  *q;
+    unsigned          cap;
+
+    pthread_mutex_lock(&st->lock);
+    if (reg->ptail == reg->pcap) {
+        if (reg->phead > 0) {
+            memmove(reg->posts, reg->posts + reg->phead,
+                    (reg->ptail - reg->phead) * sizeof(gpucx_am_post_t));
+            reg->ptail -= reg->phead;
+            reg->phead  = 0;
+        } else {
+            cap = reg->pcap ? 2 * reg->pcap : 16;
+            q   = (gpucx_am_post_t *)realloc(reg->posts, cap * sizeof(*q));
+            if (q == NULL) {
+                pthread_mutex_unlock(&st->lock);
+                return UCS_ERR_NO_MEMORY;
+            }
+            reg->posts = q;
+            reg->pcap  = cap;
+        }
+    }
+    slot->status = UCS_INPROGRESS;
+    slot->req    = NULL;
+    slot->length = 0;
+    slot->kind   = GPUCX_SLOT_AM_POSTED;
+    slot->value  = (uint64_t)(uintptr_t)reg;
+    reg->posts[reg->ptail].buf  = buf;
+    reg->posts[reg->ptail].len  = len;
+    reg->posts[reg->ptail].slot = slot;
+    reg->ptail++;
+    pthread_mutex_unlock(&st->lock);
+    return UCS_INPROGRESS;
+}
+
+/* Withdraw a posted receive that no message matched yet: it completes with
+ * UCS_ERR_CANCELED.  Returns 1 if it was still posted. */
+static int gpucx__am_unpost(gpucx_am_reg_t *reg, gpucx_slot_t *slot)
+{
+    gpucx_am_state_t *st    = reg->state;
+    int               found = 0;
+    unsigned          i;
+
+    pthread_mutex_lock(&st->lock);
+    for (i = reg->phead; i < reg->ptail; i++) {
+        if (reg->posts[i].slot == slot) {
+            memmove(reg->posts + i, reg->posts + i + 1,
+                    (reg->ptail - i - 1) * sizeof(gpucx_am_post_t));
+            reg->ptail--;
+            slot->kind   = 0;
+            slot->status = UCS_ERR_CANCELED;
+            found        = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&st->lock);
+    return found;
+}
+
+/* Cancel every receive still posted for reg's id and free the list (worker
+ * close). */
+static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
+{
+    gpucx_am_state_t *st = reg->state;
+    unsigned          i;
+
+    pthread_mutex_lock(&st->lock);
+    for (i = reg->phead; i < reg->ptail; i++) {
+        reg->posts[i].slot->kind   = 0;
+        reg->posts[i].slot->status = UCS_ERR_CANCELED;
+    }
+    free(reg->posts);
+    reg->posts = NULL;
+    reg->phead = reg->ptail = reg->pcap = 0;
+    pthread_mutex_unlock(&st->lock);
 }
 
 /* Move the oldest message into *out (the caller now owns its header and

@@ -44,6 +44,8 @@ __all__ = [
     "set_am_handler",
     "am_send",
     "am_send_nb",
+    "am_recv",
+    "am_recv_nb",
     "dispatch",
     "RESERVED_AM_IDS",
     "MAX_USER_AM_ID",
@@ -127,6 +129,8 @@ def attach(worker) -> None:
 def detach(worker) -> None:
     """Release every queued message (before ``ucp_worker_destroy``)."""
     am = worker._am
+    for reg in am.regs.values():
+        lib.gpucx_am_unpost_all(reg)
     lib.gpucx_am_drain(am.state)
     # Messages Python still holds give their UCX buffers back now (UCX frees
     # its pools with the worker); views of their data must not be used after.
@@ -626,3 +630,78 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
     if cu:
         _cuda.leave(cu)
     return posted(w, slot, st, keep, _SEND, ep)
+
+
+# -- posted receives -----------------------------------------------------------
+
+
+def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
+    """Post ``buf`` for the next active message sent to ``am_id``.
+
+    Posted receives of an id are matched to its messages in posting order,
+    in the UCX callback itself: a rendezvous payload moves straight into
+    ``buf`` (zero copy) and an eager one is copied, with no Python run per
+    message.  A matched message never reaches the id's handler; messages
+    that find no posted receive go to the handler as usual.  The header and
+    reply endpoint of a matched message are not kept (use a handler when you
+    need them).
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns the payload size in bytes.  It fails with
+        :class:`~gpucx.MessageTruncatedError` for a message larger than
+        ``buf`` (the message is dropped, its sender completes); ``cancel()``
+        or a ``wait`` timeout withdraws a receive no message matched yet,
+        and a message arriving later is not lost.
+
+    Raises
+    ------
+    ValueError
+        For an id outside 0..0xFEFF.
+    BufferError
+        If ``buf`` is read-only or not contiguous.
+    gpucx.UnsupportedError
+        For memory other than host memory (receive device memory with a
+        handler and :meth:`AmMessage.receive_into`), or a context without
+        the ``"am"`` feature.
+    gpucx.ClosedError
+        If the worker is closed.
+    """
+    if worker._h is None:
+        raise_closed(worker)
+    _check_id(am_id)
+    am = worker._am
+    if not am.enabled:
+        _no_am()
+    ptr, n, mt, keep = acquire(buf, True, stream)
+    if mt != _HOST:
+        raise UnsupportedError(
+            "am_recv_nb: posted receives take host memory; receive device memory "
+            "with a handler and AmMessage.receive_into"
+        )
+    if stream is not None:
+        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    slot = new_slot()
+    st = lib.gpucx_am_post(am.regs[am_id], ptr, n, slot)
+    if st != lib.UCS_INPROGRESS:
+        check(st, "am_recv_nb")
+    return Request(worker, slot, keep, _RECV, _nbytes, None, n)
+
+
+def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=None):
+    """Receive the next active message sent to ``am_id`` into ``buf`` (see
+    :func:`am_recv_nb`); return the payload size in bytes.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When no message arrived within ``timeout`` (the receive is withdrawn).
+    gpucx.MessageTruncatedError
+        For a message larger than ``buf`` (dropped).
+    ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
+        As for :func:`am_recv_nb`.
+    """
+    return am_recv_nb(worker, am_id, buf, stream=stream).wait(timeout)
+
