@@ -704,4 +704,3 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
         As for :func:`am_recv_nb`.
     """
     return am_recv_nb(worker, am_id, buf, stream=stream).wait(timeout)
-
