@@ -111,6 +111,18 @@ def case_am_receive_into(w, ep, remote, proc, msgs, chan):
         req.wait(3.0)
 
 
+def case_am_recv_posted(w, ep, remote, proc, msgs, chan):
+    # Posted AM receives are worker-wide like tag receives: the peer's death
+    # does not fail them; the deadline withdraws the receive.
+    req = w.am_recv_nb(AM_ID, bytearray(64))
+    kill(proc)
+    t0 = time.monotonic()
+    with pytest.raises(gpucx.TimeoutError):
+        req.wait(1.0)
+    assert time.monotonic() - t0 < 1.5
+    _wait_ep_failed(w, ep)
+
+
 def case_stream_recv(w, ep, remote, proc, msgs, chan):
     req = ep.stream_recv_nb(bytearray(64))
     kill(proc)
