@@ -52,6 +52,17 @@ def _wait_ep_failed(w, ep) -> None:
     assert isinstance(ep.error, gpucx.PeerError)
 
 
+def _ends_at_deadline(w, ep, proc, req) -> None:
+    """Kill the peer under a worker-wide receive: it ends at its deadline
+    (nothing ties it to the peer), and the endpoint fails."""
+    kill(proc)
+    t0 = time.monotonic()
+    with pytest.raises(gpucx.TimeoutError):
+        req.wait(1.0)
+    assert time.monotonic() - t0 < 1.5
+    _wait_ep_failed(w, ep)
+
+
 def case_tag_send(w, ep, remote, proc, msgs, chan):
     req = ep.send_nb(np.ones(BIG, np.uint8), tag=5)  # rendezvous, never received
     kill(proc)
@@ -62,13 +73,7 @@ def case_tag_send(w, ep, remote, proc, msgs, chan):
 def case_tag_recv(w, ep, remote, proc, msgs, chan):
     # Tag receives are worker-wide: UCX cannot tie a posted receive to the
     # dead peer, so it ends at its deadline.
-    req = w.recv_nb(bytearray(64), tag=5)
-    kill(proc)
-    t0 = time.monotonic()
-    with pytest.raises(gpucx.TimeoutError):
-        req.wait(1.0)
-    assert time.monotonic() - t0 < 1.5
-    _wait_ep_failed(w, ep)
+    _ends_at_deadline(w, ep, proc, w.recv_nb(bytearray(64), tag=5))
 
 
 def case_tag_recv_matched(w, ep, remote, proc, msgs, chan):
@@ -114,13 +119,7 @@ def case_am_receive_into(w, ep, remote, proc, msgs, chan):
 def case_am_recv_posted(w, ep, remote, proc, msgs, chan):
     # Posted AM receives are worker-wide like tag receives: the peer's death
     # does not fail them; the deadline withdraws the receive.
-    req = w.am_recv_nb(AM_ID, bytearray(64))
-    kill(proc)
-    t0 = time.monotonic()
-    with pytest.raises(gpucx.TimeoutError):
-        req.wait(1.0)
-    assert time.monotonic() - t0 < 1.5
-    _wait_ep_failed(w, ep)
+    _ends_at_deadline(w, ep, proc, w.am_recv_nb(AM_ID, bytearray(64)))
 
 
 def case_stream_recv(w, ep, remote, proc, msgs, chan):
