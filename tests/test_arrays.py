@@ -282,8 +282,8 @@ def _send_in_thread(pair, arr, proto):
     return t, seen
 
 
-def _transfer_kw(pair, arr, **kw):
-    t, seen = _send_in_thread(pair, arr, None)
+def _transfer_kw(pair, arr, proto=None, **kw):
+    t, seen = _send_in_thread(pair, arr, proto)
     try:
         out = pair.ba.recv_array(timeout=30, **kw)
     finally:
@@ -324,13 +324,7 @@ def test_max_bytes_refuses_one_byte_over(tls, proto, nbytes, how):
         assert seen == ["ok"]
         # Nothing of the refused array is left: the next one arrives.
         small = np.arange(nbytes - 1, dtype=np.uint8)[::-1].copy()
-        t, seen = _send_in_thread(pair, small, proto)
-        try:
-            out = pair.ba.recv_array(timeout=30, **kw)
-        finally:
-            t.join(30)
-        assert seen == ["ok"]
-        assert np.array_equal(out, small)
+        assert np.array_equal(_transfer_kw(pair, small, proto, **kw), small)
 
 
 @pytest.mark.parametrize("proto,nbytes", LIMIT_CASES)
