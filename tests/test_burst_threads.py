@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import gpucx
+import gpucx.aio
 
 from conftest import channel_pair, join_ok, spawn
 from peers_burst import burst_sender
@@ -79,3 +80,29 @@ def test_four_threads_share_a_multi_worker():
             th.join(90)
         assert not any(th.is_alive() for th in workers), "a thread deadlocked"
         assert errors == []
+
+
+@pytest.mark.parametrize(
+    ("n", "words", "proto"), [(2000, 2, "eager"), (200, 8192, "rndv")]
+)
+def test_posted_am_receives_with_a_progress_thread(n, words, proto):
+    """A progress thread runs the UCX callback (which matches posted
+    receives) while the main thread keeps posting: each message lands in
+    exactly one buffer, in posting order."""
+    with gpucx.Context(features={"am"}) as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ep = a.connect(b.address)
+        bufs = [np.zeros(words, np.int64) for _ in range(n)]
+        with gpucx.aio.ProgressThread(a), gpucx.aio.ProgressThread(b):
+            reqs = []
+            sends = []
+            for i in range(n):
+                reqs.append(b.am_recv_nb(21, bufs[i]))
+                payload = np.full(words, i, np.int64)
+                sends.append(ep.am_send_nb(21, payload, proto=proto))
+            assert [r.wait(60) for r in reqs] == [8 * words] * n
+            for s in sends:
+                s.wait(60)
+        for i, buf in enumerate(bufs):
+            assert (buf == i).all()
