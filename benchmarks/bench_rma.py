@@ -128,6 +128,25 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
                     ep.flush()
                     dt = time.perf_counter() - t0
                     out[(name, size)] = size * n / dt / MiB
+                # Prepared transfers: WINDOW entries per run, one C call
+                # posts them all; two runs in flight.
+                for name, prep in (
+                    ("put_bw_xfer", ep.prepare_put),
+                    ("get_bw_xfer", ep.prepare_get),
+                ):
+                    with prep([(buf, key, 0)] * WINDOW) as xfer:
+                        xfer.run()
+                        runs = max(1, n // WINDOW)
+                        t0 = time.perf_counter()
+                        prev = xfer.run_nb()
+                        for _ in range(runs - 1):
+                            nxt = xfer.run_nb()
+                            prev.wait()
+                            prev = nxt
+                        prev.wait()
+                        ep.flush()
+                        dt = time.perf_counter() - t0
+                    out[(name, size)] = size * WINDOW * runs / dt / MiB
                 for name, op in (
                     ("put_bw_blocking", ep.put),
                     ("get_bw_blocking", ep.get),
@@ -231,8 +250,10 @@ def perftest(test, size, n, tls):
 ROWS = {
     "put_bw": "ucp_put_bw",
     "put_bw_blocking": "ucp_put_bw",
+    "put_bw_xfer": "ucp_put_bw",
     "get_bw": "ucp_get",
     "get_bw_blocking": "ucp_get",
+    "get_bw_xfer": "ucp_get",
 }
 
 

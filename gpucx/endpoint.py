@@ -196,6 +196,8 @@ class Endpoint(Handle):
     put_nb = _rma.put_nb
     get = _rma.get
     get_nb = _rma.get_nb
+    prepare_put = _rma.prepare_put
+    prepare_get = _rma.prepare_get
     atomic_add = _atomic.atomic_add
     atomic_and = _atomic.atomic_and
     atomic_or = _atomic.atomic_or

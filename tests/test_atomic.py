@@ -7,12 +7,12 @@ import time
 
 import numpy as np
 import pytest
-from test_rma import background
 
 import gpucx
 
 from conftest import TRANSPORTS, channel_pair, join_ok, spawn
 from peers_rma import adder
+from test_rma import background
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,6 +9,7 @@ import pytest
 import gpucx
 import gpucx.aio
 import gpucx.mem
+import gpucx.ops.rma
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +29,11 @@ def _undocumented(owner_name, cls):
 
 def test_every_public_name_is_documented():
     missing = []
-    modules = [("gpucx", gpucx), ("gpucx.mem", gpucx.mem)]
+    modules = [
+        ("gpucx", gpucx),
+        ("gpucx.mem", gpucx.mem),
+        ("gpucx.ops.rma", gpucx.ops.rma),
+    ]
     for modname, mod in modules:
         for name in mod.__all__:
             obj = getattr(mod, name)

@@ -152,7 +152,7 @@ def test_flush_timeout_on_closed_worker_raises(pair):
 # -- put with notify -------------------------------------------------------------
 
 
-def _await_note(pair, timeout=30.0):
+def await_note(pair, timeout=30.0):
     end = time.monotonic() + timeout
     while True:
         pair.a.progress()
@@ -168,7 +168,7 @@ def test_put_with_notify_orders_data_first(pair, tls):
     for round_ in range(8):
         src = pattern(round_, n)
         req = pair.ab.put_nb(src, key, notify=b"round %d" % round_)
-        notes = _await_note(pair)
+        notes = await_note(pair)
         # The notification never arrives before the data.
         assert np.array_equal(mem, src), f"round {round_}: data not in place"
         assert [note for _, note in notes] == [b"round %d" % round_]

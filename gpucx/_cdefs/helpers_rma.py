@@ -6,6 +6,14 @@ typedef struct gpucx_notify_op {
     ...;
 } gpucx_notify_op_t;
 
+typedef struct gpucx_xfer_item {
+    void *buf;
+    size_t len;
+    uint64_t raddr;
+    ucp_rkey_h rkey;
+    int memory_type;
+} gpucx_xfer_item_t;
+
 typedef struct gpucx_notice {
     ucp_ep_h ep;
     size_t length;
@@ -61,6 +69,15 @@ ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
                               uint64_t raddr, ucp_rkey_h rkey, int memory_type,
                               const void *notify, size_t notify_len,
                               gpucx_notify_op_t *op);
+ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
+                             const gpucx_xfer_item_t *items, size_t count,
+                             int do_notify, const void *notify,
+                             size_t notify_len, gpucx_notify_op_t *op);
+ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep, int is_get,
+                            const gpucx_xfer_item_t *items, size_t count,
+                            int do_notify, const void *notify,
+                            size_t notify_len, gpucx_notify_op_t *op,
+                            uint64_t spin_ns);
 
 ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q);
 gpucx_notice_t *gpucx_notify_pop(gpucx_notify_q_t *q);

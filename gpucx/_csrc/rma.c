@@ -276,6 +276,98 @@ static ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
     return op->slot.status;
 }
 
+/* ---- prepared transfers ------------------------------------------------ */
+
+/* One entry of a prepared transfer: a local buffer and where it goes (put)
+ * or comes from (get).  Python fills the array once, when the transfer is
+ * prepared; every run posts all of it in one call. */
+typedef struct gpucx_xfer_item {
+    void       *buf;
+    size_t      len;
+    uint64_t    raddr;
+    ucp_rkey_h  rkey;
+    int         memory_type; /* -1: let UCX detect it */
+} gpucx_xfer_item_t;
+
+/* Post every put (is_get == 0) or get of items[0..count) on ep behind the
+ * one slot of op, then, with do_notify, an endpoint flush whose completion
+ * sends the notify AM (as gpucx_put_notify does for one put).  The slot
+ * completes when every posted operation did, with the first error.  A post
+ * UCX refuses at once stops the loop: the entries after it are not posted,
+ * no notification is sent, and the slot fails once the ones already posted
+ * completed.  The callbacks free their UCX requests; no request is left for
+ * a cancel to reach (UCX cannot cancel RMA) until the notify AM is posted. */
+static ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
+                                    const gpucx_xfer_item_t *items,
+                                    size_t count, int do_notify,
+                                    const void *notify, size_t notify_len,
+                                    gpucx_notify_op_t *op)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t    r;
+    size_t              i;
+
+    op->pending     = 0;
+    op->error       = UCS_OK;
+    op->ep          = ep;
+    op->notify      = notify;
+    op->notify_len  = notify_len;
+    op->slot.status = UCS_INPROGRESS;
+    op->slot.req    = NULL;
+
+    p.cb.send   = gpucx__notify_op_cb;
+    p.user_data = op;
+    for (i = 0; i < count; i++) {
+        const gpucx_xfer_item_t *it = &items[i];
+
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                         UCP_OP_ATTR_FIELD_USER_DATA;
+        if (it->memory_type >= 0) {
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+            p.memory_type   = (ucs_memory_type_t)it->memory_type;
+        }
+        r = is_get ? ucp_get_nbx(ep, it->buf, it->len, it->raddr, it->rkey, &p)
+                   : ucp_put_nbx(ep, it->buf, it->len, it->raddr, it->rkey, &p);
+        if (UCS_PTR_IS_ERR(r)) {
+            op->error = UCS_PTR_STATUS(r);
+            break;
+        }
+        if (r != NULL) {
+            op->pending++;
+        }
+    }
+    if (do_notify && op->error == UCS_OK) {
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.cb.send      = gpucx__notify_flush_cb;
+        r = ucp_ep_flush_nbx(ep, &p);
+        if (UCS_PTR_IS_ERR(r)) {
+            op->error = UCS_PTR_STATUS(r);
+        } else if (r != NULL) {
+            op->pending++;
+        } else {
+            gpucx__notify_send_am(op);
+        }
+    }
+    if (op->pending == 0) {
+        op->slot.status = op->error;
+    }
+    return op->slot.status;
+}
+
+/* Blocking form: post, then progress until done or spin_ns pass. */
+static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
+                                   int is_get, const gpucx_xfer_item_t *items,
+                                   size_t count, int do_notify,
+                                   const void *notify, size_t notify_len,
+                                   gpucx_notify_op_t *op, uint64_t spin_ns)
+{
+    if (gpucx_xfer_post(ep, is_get, items, count, do_notify, notify,
+                        notify_len, op) != UCS_INPROGRESS) {
+        return op->slot.status;
+    }
+    return gpucx_wait(worker, &op->slot, spin_ns);
+}
+
 /* ---- notifications (owner) --------------------------------------------- */
 
 typedef struct gpucx_notice {

@@ -327,7 +327,8 @@ class RemoteKey(Handle):
         """This key's RMA/atomic requests still in UCX's hands.
 
         Requests of ``put_nb``/``get_nb``/atomics keep ``(buffer, key, ...)``
-        while pending; the worker tracks every pending request.
+        while pending, those of a prepared transfer ``(buffers, keys, ...)``;
+        the worker tracks every pending request.
         """
         out = []
         for r in self.endpoint._w._pending:
@@ -335,7 +336,10 @@ class RemoteKey(Handle):
             if (
                 type(keep) is tuple
                 and len(keep) > 1
-                and keep[1] is self
+                and (
+                    keep[1] is self
+                    or (type(keep[1]) is tuple and any(k is self for k in keep[1]))
+                )
                 and r._slot.status == INPROGRESS
             ):
                 out.append(r)

@@ -24,7 +24,7 @@ import time
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import UnsupportedError
+from ..errors import ClosedError, UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import CUDA_TYPES
@@ -32,6 +32,8 @@ from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     SPIN_NS,
     Request,
+    _new_settled,
+    _Settled,
     finish,
     new_slot,
     posted,
@@ -46,6 +48,9 @@ __all__ = [
     "put_nb",
     "get",
     "get_nb",
+    "prepare_put",
+    "prepare_get",
+    "Transfer",
     "notifications",
     "NOTIFY_AM_ID",
     "NOTIFY_MAX",
@@ -231,15 +236,7 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
     w = ep._w
     if notify is not None:
-        note = bytes(memoryview(notify).cast("B"))
-        if len(note) > NOTIFY_MAX:
-            raise ValueError(
-                f"notify is {len(note)} bytes; at most {NOTIFY_MAX} are allowed"
-            )
-        if "am" not in w._context.features:
-            raise UnsupportedError(
-                "put with notify needs the 'am' feature in the Context"
-            )
+        note = _notify_bytes(notify, w)
     cu = (mt != _HOST or stream is not None) and _cuda.prepare(w, ptr, mt, stream, _PUT)
     if notify is None:
         slot = _sync_slot(w)
@@ -319,6 +316,328 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     if cu:
         _cuda.leave(cu)
     return posted(w, slot, st, (keep, rkey), _GET, ep)
+
+
+# -- prepared transfers --------------------------------------------------------
+
+_ITEMS = ffi.typeof("gpucx_xfer_item_t[]")
+_OP = ffi.typeof("gpucx_notify_op_t *")
+
+
+def prepare_put(ep, entries) -> Transfer:
+    """Prepare a list of puts on this endpoint, to run as one operation.
+
+    Everything a put checks -- buffers, remote keys, bounds, read-only
+    regions, CUDA capability -- is checked here, once; each
+    :meth:`Transfer.run` or :meth:`Transfer.run_nb` then posts every put
+    with a single call into C.  The counterpart of NIXL's prepared
+    transfer lists.
+
+    Parameters
+    ----------
+    entries : iterable of (buf, rkey, offset)
+        Each writes the whole of ``buf`` (any object
+        :func:`gpucx.mem.as_buffer` accepts) into the remote region of
+        ``rkey`` (a :class:`~gpucx.RemoteKey` unpacked on this endpoint;
+        entries may use different keys) at byte ``offset``.  The transfer
+        holds the buffers until it is closed; what they contain when it
+        runs is what is sent.
+
+    Returns
+    -------
+    Transfer
+
+    Raises
+    ------
+    TypeError
+        If an entry is not a ``(buf, rkey, offset)`` triple, a key is not a
+        RemoteKey or an offset not an int.
+    ValueError
+        If an entry falls outside its remote region (naming the entry, its
+        offset and size), the key belongs to another endpoint, or the
+        region was exported read-only.
+    BufferError, gpucx.UnsupportedError
+        For a buffer a put cannot read (see :func:`put`).
+    gpucx.ClosedError
+        If the endpoint or a key is closed.
+    """
+    return Transfer(ep, entries, False)
+
+
+def prepare_get(ep, entries) -> Transfer:
+    """Prepare a list of gets on this endpoint, to run as one operation.
+
+    As :func:`prepare_put`, in the other direction: each ``(buf, rkey,
+    offset)`` entry reads ``len(buf)`` bytes of the remote region at
+    ``offset`` into ``buf``, which must be writable.
+
+    Raises
+    ------
+    TypeError, ValueError, gpucx.UnsupportedError, gpucx.ClosedError
+        As for :func:`prepare_put` (a read-only remote region is fine).
+    BufferError
+        If a buffer is read-only or not contiguous.
+    """
+    return Transfer(ep, entries, True)
+
+
+class Transfer:
+    """A prepared list of puts or gets on one endpoint
+    (:meth:`Endpoint.prepare_put` / :meth:`Endpoint.prepare_get`).
+
+    :meth:`run_nb` posts every entry, in list order, with one call into C and
+    returns one :class:`~gpucx.Request` for all of them; :meth:`run` also
+    waits.  A transfer can run any number of times, also while earlier runs
+    are still in flight (each run has its own completion).  Completion has
+    the levels of single puts and gets (see the module doc): a run is done
+    when every entry completed locally; ``notify=`` adds a flush and a
+    notification the owner reads with :meth:`Worker.notifications` once
+    every entry's data is in place (for gets: once every entry was read).
+
+    Entries are not ordered against each other at the target; two entries
+    writing the same remote bytes leave either's data there.  A post UCX
+    refuses stops the run: the entries after it are not posted and the
+    request fails with that error once the ones already posted completed.
+
+    Attributes
+    ----------
+    endpoint : Endpoint
+        The endpoint every entry goes through.
+    kind : str
+        ``"put"`` or ``"get"``.
+    nbytes : int
+        Bytes one run moves (the sum of the entries' sizes).
+    """
+
+    __slots__ = (
+        "endpoint",
+        "kind",
+        "nbytes",
+        "_items",
+        "_count",
+        "_keep",
+        "_keys",
+        "_is_get",
+        "_cuda_ptr",
+        "_cuda_mt",
+        "__weakref__",
+    )
+
+    def __init__(self, ep, entries, is_get: bool):
+        if ep._h is None:
+            raise_closed(ep)
+        what = _GET if is_get else _PUT
+        try:
+            entries = list(entries)
+        except TypeError:
+            raise TypeError(
+                f"prepare_{what}: entries must be an iterable of (buf, rkey, "
+                f"offset), not {type(entries).__name__}"
+            ) from None
+        w = ep._w
+        items = ffi.new(_ITEMS, max(len(entries), 1))
+        keep = []
+        keys: list = []
+        total = 0
+        cuda_ptr = None
+        cuda_mt = _HOST
+        for i, entry in enumerate(entries):
+            try:
+                ptr, n, mt, k, rkey, raddr = _entry(ep, w, what, is_get, entry)
+            except (TypeError, ValueError, BufferError, UCXError) as exc:
+                # Same exception, named after the entry.
+                exc.args = (f"prepare_{what}: entry {i}: {exc}", *exc.args[1:])
+                raise
+            if mt != _HOST and cuda_ptr is None:
+                cuda_ptr, cuda_mt = ptr, mt
+            it = items[i]
+            it.buf = ptr
+            it.len = n
+            it.raddr = raddr
+            it.rkey = rkey._h
+            it.memory_type = mt
+            keep.append(k)
+            if not any(key is rkey for key in keys):
+                keys.append(rkey)
+            total += n
+        self.endpoint = ep
+        self.kind = what
+        self.nbytes = total
+        self._items = items
+        self._count = len(entries)
+        self._keep = keep
+        self._keys = tuple(keys)
+        self._is_get = int(is_get)
+        self._cuda_ptr = cuda_ptr
+        self._cuda_mt = cuda_mt
+
+    def __repr__(self) -> str:
+        state = "closed" if self._keep is None else f"{self._count} entries"
+        return f"<gpucx.Transfer {self.kind} {state}, {self.nbytes} bytes>"
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._keep is None
+
+    def close(self) -> None:
+        """Let go of the buffers and keys.  Runs still in flight keep what
+        they use until they complete.  Safe to call twice."""
+        self._keep = None
+        self._keys = ()
+        self._items = None
+
+    def __enter__(self) -> Transfer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self, notify, stream):
+        """Check what may have closed and get ready to post."""
+        if self._keep is None:
+            raise ClosedError("Transfer is closed")
+        ep = self.endpoint
+        h = ep._h
+        if h is None:
+            raise_closed(ep)
+        for key in self._keys:
+            if key._h is None:
+                raise_closed(key)
+        w = ep._w
+        if notify is None:
+            note = ffi.NULL
+            nlen = 0
+        else:
+            note = _notify_bytes(notify, w)
+            nlen = len(note)
+        cu = (self._cuda_ptr is not None or stream is not None) and _cuda.prepare(
+            w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind
+        )
+        return h, w, note, nlen, cu
+
+    def run_nb(self, *, notify=None, stream=None) -> Request:
+        """Post every entry; return one request for all of them.
+
+        Parameters
+        ----------
+        notify : bytes-like, optional
+            Once every entry completed, flush the endpoint and send this to
+            the owner (see :func:`put`); the request is done when the
+            notification was sent.
+        stream : stream object or int, optional
+            A CUDA stream: the entries are posted only once the work queued
+            on it before the call finished.
+
+        Returns
+        -------
+        Request
+            ``wait()`` returns None.
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the transfer, the endpoint or one of its keys is closed.
+        ValueError
+            ``notify`` longer than ``NOTIFY_MAX``.
+        gpucx.UnsupportedError
+            ``notify`` without the ``"am"`` feature, or a ``stream`` without
+            a CUDA driver.
+        """
+        op = ffi.new(_OP)
+        h, w, note, nlen, cu = self._start(notify, stream)
+        st = lib.gpucx_xfer_post(
+            h,
+            self._is_get,
+            self._items,
+            self._count,
+            notify is not None,
+            note,
+            nlen,
+            op,
+        )
+        if cu:
+            _cuda.leave(cu)
+        if st == 0:
+            return _new_settled(_Settled)
+        what = f"{self.kind} transfer"
+        return Request(
+            w,
+            ffi.addressof(op, "slot"),
+            (self._keep, self._keys, op, note),
+            what,
+            None,
+            self.endpoint,
+        )
+
+    def run(self, timeout=None, *, notify=None, stream=None) -> None:
+        """Post every entry and wait until all completed (see :meth:`run_nb`).
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When ``timeout`` seconds pass first.
+        gpucx.PeerError
+            If the peer died or is unreachable.
+        gpucx.UCXError
+            The first error of an entry.
+        gpucx.ClosedError, ValueError, gpucx.UnsupportedError
+            As for :meth:`run_nb`, before anything is posted.
+        """
+        op = ffi.new(_OP)
+        h, w, note, nlen, cu = self._start(notify, stream)
+        st = lib.gpucx_xfer_run(
+            w._h,
+            h,
+            self._is_get,
+            self._items,
+            self._count,
+            notify is not None,
+            note,
+            nlen,
+            op,
+            SPIN_NS,
+        )
+        if cu:
+            _cuda.leave(cu)
+        if st:
+            what = f"{self.kind} transfer"
+            finish(
+                w,
+                ffi.addressof(op, "slot"),
+                st,
+                timeout,
+                what,
+                self.endpoint,
+                (self._keep, self._keys, op, note),
+            )
+
+
+def _entry(ep, w, what: str, is_get: bool, entry):
+    """Check one ``(buf, rkey, offset)`` entry of a transfer."""
+    if type(entry) is not tuple or len(entry) != 3:
+        raise TypeError(f"must be a (buf, rkey, offset) tuple, not {entry!r:.80}")
+    buf, rkey, offset = entry
+    ptr, n, mt, keep = acquire(buf, is_get, None)
+    raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
+    if mt != _HOST:
+        # Checks that this context can move it (UnsupportedError).
+        _cuda.leave(_cuda.prepare(w, ptr, mt, None, what))
+    return ptr, n, mt, keep, rkey, raddr
+
+
+def _notify_bytes(notify, w) -> bytes:
+    note = bytes(memoryview(notify).cast("B"))
+    if len(note) > NOTIFY_MAX:
+        raise ValueError(
+            f"notify is {len(note)} bytes; at most {NOTIFY_MAX} are allowed"
+        )
+    if "am" not in w._context.features:
+        raise UnsupportedError("put with notify needs the 'am' feature in the Context")
+    return note
 
 
 # -- the owner's side of put-with-notify --------------------------------------
