@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -196,6 +197,51 @@ def test_put_get_peer_cuda_region(cupy, cuda_cfg):
     want[nbytes // 4 : nbytes // 4 + nbytes // 2] = cupy.asnumpy(src)
     want[:16] = 0xAB
     same_bytes(np.frombuffer(owner_bytes, np.uint8), want)
+
+
+def test_prepared_transfers_into_a_cuda_region(cupy, cpair):
+    """Prepared put/get lists mixing CuPy and host entries, into and out of
+    a CUDA region, with a stream that orders the run after a kernel."""
+    dev = _last_device(cupy)
+    n = 1 << 20
+    with cupy.cuda.Device(dev):
+        target = cupy.zeros(4 * n, cupy.uint8)
+        srcs = [pattern(cupy, n, 30 + i) for i in range(3)]
+        s = cupy.cuda.Stream(non_blocking=True)
+        cupy.cuda.runtime.deviceSynchronize()
+    region = cpair.ctx.register(target)
+    key = cpair.ab.unpack(region.remote())
+    host = np.full(n, 0x5A, np.uint8)
+    entries = [(srcs[0], key, 3 * n), (host, key, n), (srcs[1], key, 0)]
+    entries.append((srcs[2], key, 2 * n))
+    with cpair.ab.prepare_put(entries) as x:
+        _late_write(cupy, srcs[2], 9, s)
+        req = x.run_nb(notify=b"cuda", stream=s)
+        notes = []
+        end = time.monotonic() + 60
+        while not notes and time.monotonic() < end:
+            cpair.a.progress()
+            notes = cpair.b.notifications()
+        cpair.drive(req, timeout=60)
+    assert [note for _, note in notes] == [b"cuda"]
+    got = cupy.asnumpy(target)
+    same_bytes(got[:n], cupy.asnumpy(srcs[1]))
+    same_bytes(got[n : 2 * n], host)
+    assert (got[2 * n : 3 * n] == 9).all(), "the run did not wait for the stream"
+    same_bytes(got[3 * n :], cupy.asnumpy(srcs[0]))
+    with cupy.cuda.Device(dev):
+        back = [cupy.zeros(n, cupy.uint8) for _ in range(2)]
+    hback = np.zeros(n, np.uint8)
+    g = cpair.ab.prepare_get(
+        [(back[0], key, 3 * n), (hback, key, n), (back[1], key, 0)]
+    )
+    cpair.drive(g.run_nb(), timeout=60)
+    same_bytes(cupy.asnumpy(back[0]), cupy.asnumpy(srcs[0]))
+    same_bytes(hback, host)
+    same_bytes(cupy.asnumpy(back[1]), cupy.asnumpy(srcs[1]))
+    g.close()
+    key.close()
+    region.close()
 
 
 def test_region_allocate_and_register_on_device(cupy, cuda_ctx):
