@@ -5,10 +5,12 @@ Measures between two processes on this host (default UCX transports):
 * 8-byte AM round trip; reported as one-way latency (half the round trip),
   like the overall latency column of ``ucx_perftest -t ucp_am_lat``;
 * AM bandwidth at 1 MiB and 16 MiB against ``ucx_perftest -t ucp_am_bw``,
-  with two receivers: a handler per message that calls ``receive_into`` (a
-  reused buffer, zero copy), and receives posted ahead with
+  with three receivers: a handler per message that calls ``receive_into``
+  (a reused buffer, zero copy); receives posted ahead with
   ``worker.am_recv_nb`` (matched in the UCX callback, no Python per
-  message);
+  message delivered, one call per message posted); and a round of them
+  posted with one ``worker.am_recv_many_nb`` call.  The receiver acks each
+  round; the sender stays at most ``DEPTH`` rounds ahead;
 * ``send_array``/``recv_array`` bandwidth at 16 MiB against raw AM
   bandwidth (a fresh array per message, as ``recv_array`` returns).
 
@@ -42,6 +44,10 @@ import gpucx
 
 PING, PONG, DATA, ACK = 1, 2, 3, 4
 MIB = 1 << 20
+#: Rounds of messages in flight in the bandwidth tests: the sender sends
+#: round r once round r - DEPTH was acked; posted receives stay DEPTH
+#: rounds ahead.
+DEPTH = 2
 
 
 # -- gpucx peer ---------------------------------------------------------------
@@ -50,13 +56,20 @@ MIB = 1 << 20
 def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
-        if mode == "posted":
+        if mode in ("posted", "group"):
             # Receives posted ahead, matched in the UCX callback: no Python
-            # per message, only per round.  The first round is posted before
-            # the client can send (a message that finds neither a posted
-            # receive nor a handler is dropped).
+            # per message delivered.  "posted": one am_recv_nb per message;
+            # "group": one am_recv_many_nb per round.  DEPTH rounds are
+            # posted before the client can send (a message that finds
+            # neither a posted receive nor a handler is dropped).
             buf = np.empty(size, np.uint8)
-            reqs = [w.am_recv_nb(DATA, buf) for _ in range(iters)]
+
+            def post_round():
+                if mode == "group":
+                    return [w.am_recv_many_nb(DATA, [buf] * iters)]
+                return [w.am_recv_nb(DATA, buf) for _ in range(iters)]
+
+            posted = [post_round() for _ in range(min(DEPTH, rounds))]
         conn.send(w.address)
         ep = w.connect(conn.recv(), error_handling=False)
         if mode == "lat":
@@ -78,16 +91,19 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
             while not conn.poll(0):
                 for _ in range(1000):  # a syscall per 1000 polls only
                     progress()
-                    if len(reqs) == iters and all(r.done() for r in reqs):
-                        reqs.clear()
+                    # The next round may already be arriving: ack this
+                    # round's first ``iters`` messages once they are in.
+                    if len(reqs) >= iters and all(r.done() for r in reqs[:iters]):
+                        del reqs[:iters]
                         ep.am_send(ACK, b"")
-        elif mode == "posted":
+        elif mode in ("posted", "group"):
             for r in range(rounds):
+                reqs = posted.pop(0)
                 reqs[-1].wait()  # the last is matched last: a C wait loop
                 for req in reqs:
                     req.wait()
-                if r + 1 < rounds:  # post the next round, then say so
-                    reqs = [w.am_recv_nb(DATA, buf) for _ in range(iters)]
+                if r + DEPTH < rounds:  # keep DEPTH rounds posted, then ack
+                    posted.append(post_round())
                 ep.am_send(ACK, b"")
         elif mode == "array":
             count = 0
@@ -152,21 +168,34 @@ def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
     return best / iters / 2 * 1e6
 
 
-def _bw_round(w, ep, payload, iters, acks, kind):
-    start = acks[0]
-    if kind in ("am", "posted"):
-        reqs = [ep.am_send_nb(DATA, payload) for _ in range(iters)]
-    else:
-        reqs = [ep.send_array_nb(payload) for _ in range(iters)]
-    while acks[0] == start or not all(r.done() for r in reqs):
+def _bw_rounds(w, ep, payload, iters, acks, kind, rounds):
+    """Send ``rounds`` rounds of ``iters`` messages, at most ``DEPTH`` rounds
+    ahead of the receiver's acks; return when every round was acked."""
+    post = ep.am_send_nb if kind != "array" else None
+    base = acks[0]
+    reqs: list = []
+    for r in range(rounds):
+        # Round r may go once round r - DEPTH was acked (for posted
+        # receives: once the receiver has posted round r).
+        while acks[0] - base < r - DEPTH + 1:
+            w.progress()
+        reqs = [r_ for r_ in reqs if not r_.done()]
+        if post is not None:
+            reqs += [post(DATA, payload) for _ in range(iters)]
+        else:
+            reqs += [ep.send_array_nb(payload) for _ in range(iters)]
+    while acks[0] - base < rounds or not all(r_.done() for r_ in reqs):
         w.progress()
 
 
 def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
     best of ``runs`` runs: ``kind`` "am" (a handler calls receive_into),
-    "posted" (receives posted ahead) or "array"."""
-    mode = {"am": "bw", "posted": "posted"}.get(kind, "array")
+    "posted" (receives posted ahead, one call each), "group" (posted a
+    round at a time with ``am_recv_many_nb``) or "array".  The receiver acks each
+    round; the sender stays at most ``DEPTH`` rounds ahead, so the link
+    never idles between rounds (perftest's ``ucp_am_bw`` streams too)."""
+    mode = {"am": "bw", "posted": "posted", "group": "group"}.get(kind, "array")
     peer = _Peer(mode, size, iters, 1 + rounds * runs)  # with the warm-up round
     w, ep = peer.w, peer.ep
     acks = [0]
@@ -179,12 +208,11 @@ def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
         payload = np.ones(size // 4, np.float32)
     else:
         payload = np.ones(size, np.uint8)
-    _bw_round(w, ep, payload, iters, acks, kind)  # warm-up round
+    _bw_rounds(w, ep, payload, iters, acks, kind, 1)  # warm-up round
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
-        for _ in range(rounds):
-            _bw_round(w, ep, payload, iters, acks, kind)
+        _bw_rounds(w, ep, payload, iters, acks, kind, rounds)
         best = min(best, time.perf_counter() - t0)
     peer.close()
     return size * iters * rounds / best / MIB
@@ -241,8 +269,10 @@ def one_round(a, port: int) -> dict:
         bw = gpucx_bw(size, n, "am")
         _, pbw = perftest("ucp_am_bw", size, n * 8, port + size // MIB)  # as many
         posted = gpucx_bw(size, n, "posted")
+        group = gpucx_bw(size, n, "group")
         out[f"AM {size // MIB} MiB, handler (MiB/s)"] = (bw, pbw, bw / pbw)
         out[f"AM {size // MIB} MiB, posted (MiB/s)"] = (posted, pbw, posted / pbw)
+        out[f"AM {size // MIB} MiB, posted group (MiB/s)"] = (group, pbw, group / pbw)
         raw = bw
     arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
     out["send/recv_array 16 MiB (MiB/s)"] = (arr, raw, arr / raw)

@@ -18,6 +18,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -230,7 +231,9 @@ static void gpucx_slot_release(gpucx_slot_t *slot)
 }
 
 struct gpucx_am_reg;
+struct gpucx_am_group;
 static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
+static void gpucx__am_unpost_group(struct gpucx_am_group *g);
 
 static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
@@ -239,6 +242,9 @@ static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
     } else if (slot->status == UCS_INPROGRESS && slot->kind == 2) {
         /* A posted AM receive no message matched yet (am.c). */
         gpucx__am_unpost((struct gpucx_am_reg *)(uintptr_t)slot->value, slot);
+    } else if (slot->status == UCS_INPROGRESS && slot->kind == 3) {
+        /* Receives posted as a group (am.c): the slot opens the group. */
+        gpucx__am_unpost_group((struct gpucx_am_group *)slot);
     }
     return slot->status;
 }

@@ -163,7 +163,15 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
         exc.buffer_size = nbytes
         got = slot.length if slot is not None else 0
-        exc.message_size = got if got and nbytes is not None and got > nbytes else None
+        if nbytes is None:  # receives posted together: one of the buffers
+            exc.message_size = got or None
+            exc.args = (
+                f"{what}: message truncated: a message"
+                + (f" of {got} bytes" if got else "")
+                + " is larger than its receive buffer",
+            )
+            raise exc
+        exc.message_size = got if got and got > nbytes else None
         exc.args = (
             f"{what}: message truncated: the receive buffer holds {nbytes} bytes"
             + (

@@ -260,6 +260,8 @@ class Worker(Handle):
     set_am_handler = _am.set_am_handler
     am_recv = _am.am_recv
     am_recv_nb = _am.am_recv_nb
+    am_recv_many = _am.am_recv_many
+    am_recv_many_nb = _am.am_recv_many_nb
 
     def _endpoint_for(self, h):
         """The Endpoint for UCX endpoint ``h`` (an AM reply endpoint): the

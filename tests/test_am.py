@@ -648,6 +648,160 @@ def test_worker_close_cancels_posted_receives(ctx):
     p.a.close()
 
 
+# -- receives posted together (worker.am_recv_many_nb / am_recv_many) -------------
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_group_receives_in_order_one_request(pair, tls, proto):
+    sizes = [100, 1, 0, 4096] if proto == "eager" else [1 << 20, 3 << 19, 1 << 16]
+    handled = collect(pair.b, 30)
+    bufs = [np.zeros(n + 5, np.uint8) for n in sizes]
+    req = pair.b.am_recv_many_nb(30, bufs)
+    sends = [
+        pair.ab.am_send_nb(30, np.full(n, k + 1, np.uint8), proto=proto)
+        for k, n in enumerate(sizes)
+    ]
+    assert pair.drive(req, *sends, timeout=30)[0] == sizes
+    for k, (n, buf) in enumerate(zip(sizes, bufs, strict=True)):
+        assert (buf[:n] == k + 1).all() and not buf[n:].any()
+    assert not handled
+
+
+def test_group_and_single_receives_share_one_order(pair):
+    handled = collect(pair.b, 31)
+    first = bytearray(4)
+    group = [bytearray(4), bytearray(4)]
+    last = bytearray(4)
+    r1 = pair.b.am_recv_nb(31, first)
+    r2 = pair.b.am_recv_many_nb(31, group)
+    r3 = pair.b.am_recv_nb(31, last)
+    sends = [pair.ab.am_send_nb(31, b"m%d.." % i) for i in range(5)]
+    got = pair.drive(r1, r2, r3, *sends)
+    assert got[:3] == [4, [4, 4], 4]
+    assert [bytes(b) for b in (first, *group, last)] == [
+        b"m0..",
+        b"m1..",
+        b"m2..",
+        b"m3..",
+    ]
+    pump(pair, lambda: handled)  # the fifth found no receive: the handler
+    assert bytes(handled[0].data) == b"m4.."
+
+
+def test_one_buffer_many_times_and_empty_group(pair):
+    buf = np.zeros(8, np.uint8)
+    req = pair.b.am_recv_many_nb(32, [buf] * 3)
+    sends = [pair.ab.am_send_nb(32, np.full(8, i, np.uint8)) for i in (1, 2, 3)]
+    assert pair.drive(req, *sends)[0] == [8, 8, 8]
+    assert (buf == 3).all()  # the last message landed last
+    empty = pair.b.am_recv_many_nb(32, [])
+    assert empty.done() and empty.wait() == []
+    assert pair.b.am_recv_many(32, (), timeout=1) == []
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_group_member_too_small_fails_the_group_after_all_land(pair, tls, proto):
+    bufs = [np.zeros(100, np.uint8), np.zeros(10, np.uint8), np.zeros(100, np.uint8)]
+    req = pair.b.am_recv_many_nb(33, bufs)
+    sends = [
+        pair.ab.am_send_nb(33, np.full(100, k + 1, np.uint8), proto=proto)
+        for k in range(3)
+    ]
+    end = time.monotonic() + 10
+    while not (req.done() and all(s.done() for s in sends)):
+        pair.a.progress()
+        pair.b.progress()
+        assert time.monotonic() < end
+    with pytest.raises(gpucx.MessageTruncatedError, match="100 bytes") as err:
+        req.result()
+    assert err.value.message_size == 100
+    assert all(s.result() is None for s in sends)  # every sender completes
+    assert (bufs[0] == 1).all() and (bufs[2] == 3).all()  # the others landed
+    assert not bufs[1].any()
+
+
+def test_group_cancel_and_timeout_withdraw_the_unmatched(pair):
+    handled = collect(pair.b, 34)
+    bufs = [bytearray(4) for _ in range(3)]
+    req = pair.b.am_recv_many_nb(34, bufs)
+    pair.drive(pair.ab.am_send_nb(34, b"one!"))
+    end = time.monotonic() + 5
+    while bufs[0] != b"one!":
+        pair.b.progress()
+        assert time.monotonic() < end
+    assert req.cancel()
+    with pytest.raises(gpucx.CanceledError):
+        req.wait(5)
+    assert bytes(bufs[0]) == b"one!"  # matched before the cancel: kept
+    with pytest.raises(gpucx.TimeoutError):
+        pair.b.am_recv_many(34, [bytearray(4), bytearray(4)], timeout=0.1)
+    pair.drive(pair.ab.am_send_nb(34, b"kept"))
+    pump(pair, lambda: handled)  # withdrawn receives took nothing
+    assert bytes(handled[0].data) == b"kept"
+
+
+def test_group_receive_errors(pair):
+    from fakegpu import FakeCudaArrayV2
+
+    with pytest.raises(ValueError, match="am_id"):
+        pair.b.am_recv_many_nb(0xFF10, [bytearray(4)])
+    with pytest.raises(TypeError, match="sequence of buffers"):
+        pair.b.am_recv_many_nb(35, 7)
+    with pytest.raises(BufferError, match="buffer 1"):
+        pair.b.am_recv_many_nb(35, [bytearray(4), b"read-only"])
+    with pytest.raises(TypeError, match="buffer 0"):
+        pair.b.am_recv_many_nb(35, [object()])
+    with pytest.raises(gpucx.UnsupportedError, match="buffer 1: .*host memory"):
+        pair.b.am_recv_many_nb(
+            35, [bytearray(4), FakeCudaArrayV2(np.zeros(8, np.uint8))]
+        )
+    # Nothing was posted by the refused calls.
+    buf = bytearray(4)
+    req = pair.b.am_recv_nb(35, buf)
+    pair.drive(req, pair.ab.am_send_nb(35, b"free"))
+    assert bytes(buf) == b"free"
+    with gpucx.Context(features={"tag"}) as ctx:
+        w = ctx.create_worker()
+        with pytest.raises(gpucx.UnsupportedError, match='"am" feature'):
+            w.am_recv_many_nb(35, [bytearray(4)])
+
+
+def test_worker_close_cancels_group_receives(ctx):
+    p = Pair(ctx)
+    req = p.b.am_recv_many_nb(36, [bytearray(4), bytearray(4)])
+    p.b.close()
+    with pytest.raises((gpucx.CanceledError, gpucx.ClosedError)):
+        req.wait(5)
+    with pytest.raises(gpucx.ClosedError):
+        p.b.am_recv_many_nb(36, [bytearray(4)])
+    p.a.close()
+
+
+def test_group_receives_across_processes(tls):
+    from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import am_burst_peer
+
+    sizes = [0, 1, 100, 8192, 65536, 1 << 20, 4 << 20, 3]
+    q, theirs = channel_pair()
+    child = spawn(am_burst_peer, tls, theirs, sizes)
+    try:
+        with gpucx.Context(config=transport_config(tls)) as ctx:
+            w = ctx.create_worker()
+            ep = w.connect(q.get(60))
+            q.put(w.address)
+            bufs = [np.zeros(n, np.uint8) for n in sizes]
+            # Half in one group, then the rest in another.
+            reqs = [w.am_recv_many_nb(11, bufs[:4]), w.am_recv_many_nb(11, bufs[4:])]
+            q.put("go")
+            assert reqs[0].wait(60) + reqs[1].wait(60) == sizes
+            for i, buf in enumerate(bufs):
+                assert (buf == i % 251 + 1).all()
+            q.put("bye")
+            ep.close()
+    finally:
+        join_ok(child, 60)
+
+
 def test_posted_receives_across_processes(tls):
     from conftest import channel_pair, join_ok, spawn, transport_config
     from peers_am import am_burst_peer

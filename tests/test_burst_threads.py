@@ -106,3 +106,29 @@ def test_posted_am_receives_with_a_progress_thread(n, words, proto):
                 s.wait(60)
         for i, buf in enumerate(bufs):
             assert (buf == i).all()
+
+
+@pytest.mark.parametrize(
+    ("n", "words", "proto"), [(50, 2, "eager"), (10, 8192, "rndv")]
+)
+def test_group_am_receives_with_a_progress_thread(n, words, proto):
+    """Groups of posted receives while a progress thread runs the callback
+    that completes their members: each group completes once, in order."""
+    with gpucx.Context(features={"am"}) as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ep = a.connect(b.address)
+        groups = [[np.zeros(words, np.int64) for _ in range(n)] for _ in range(20)]
+        with gpucx.aio.ProgressThread(a), gpucx.aio.ProgressThread(b):
+            reqs, sends = [], []
+            for g, bufs in enumerate(groups):
+                reqs.append(b.am_recv_many_nb(22, bufs))
+                for i in range(n):
+                    payload = np.full(words, g * n + i, np.int64)
+                    sends.append(ep.am_send_nb(22, payload, proto=proto))
+            assert [r.wait(60) for r in reqs] == [[8 * words] * n] * len(groups)
+            for s in sends:
+                s.wait(60)
+        for g, bufs in enumerate(groups):
+            for i, buf in enumerate(bufs):
+                assert (buf == g * n + i).all()

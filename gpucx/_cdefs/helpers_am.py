@@ -28,6 +28,11 @@ typedef struct gpucx_am_reg {
     ...;
 } gpucx_am_reg_t;
 
+typedef struct gpucx_am_group {
+    gpucx_slot_t slot;
+    ...;
+} gpucx_am_group_t;
+
 static const unsigned GPUCX_AM_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV;
 static const unsigned GPUCX_AM_SEND_REPLY;
@@ -54,6 +59,9 @@ ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc, void *buf,
                                 size_t len, int memory_type, gpucx_slot_t *slot);
 ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                            gpucx_slot_t *slot);
+ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,
+                                 void **bufs, const size_t *lens,
+                                 gpucx_slot_t *members, size_t n);
 void gpucx_am_unpost_all(gpucx_am_reg_t *reg);
 ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m, void *buf,
                                int memory_type, gpucx_slot_t *slot);

@@ -38,11 +38,25 @@ typedef struct gpucx_am_state {
     pthread_mutex_t lock;
 } gpucx_am_state_t;
 
+struct gpucx_am_reg;
+
+/* Receives posted together (worker.am_recv_many_nb): one slot for all of
+ * them.  Each member has its own slot (status and length); the group slot
+ * completes when every member did, with the first error.  pending and
+ * error are guarded by the AM state lock. */
+typedef struct gpucx_am_group {
+    gpucx_slot_t         slot;
+    struct gpucx_am_reg *reg;
+    size_t               pending;
+    ucs_status_t         error;
+} gpucx_am_group_t;
+
 /* A receive buffer posted for the next message of one AM id. */
 typedef struct gpucx_am_post {
-    void         *buf;
-    size_t        len;
-    gpucx_slot_t *slot;
+    void             *buf;
+    size_t            len;
+    gpucx_slot_t     *slot;
+    gpucx_am_group_t *group; /* NULL for a receive posted alone */
 } gpucx_am_post_t;
 
 /* One per registered AM id: the callback does not get the id from UCX.
@@ -60,6 +74,24 @@ typedef struct gpucx_am_reg {
 /* slot->kind of a posted AM receive not yet matched (slot->value holds its
  * gpucx_am_reg_t *), for gpucx_slot_cancel. */
 #define GPUCX_SLOT_AM_POSTED 2
+/* slot->kind of a group's slot while members are pending (the slot is the
+ * first member of its gpucx_am_group_t). */
+#define GPUCX_SLOT_AM_GROUP 3
+
+/* A member of g finished with status (state lock held). */
+static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
+                                  ucs_status_t status)
+{
+    m->status = status;
+    if (status != UCS_OK && g->error == UCS_OK) {
+        g->error       = status;
+        g->slot.length = m->length; /* the message size of a truncation */
+    }
+    if (--g->pending == 0) {
+        g->slot.kind   = 0;
+        g->slot.status = g->error;
+    }
+}
 
 static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
@@ -94,6 +126,61 @@ static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
                                        void *buf, size_t len, int memory_type,
                                        gpucx_slot_t *slot);
 
+static void gpucx__am_member_cb(void *request, ucs_status_t status,
+                                size_t length, void *user_data)
+{
+    gpucx_slot_t     *m = (gpucx_slot_t *)user_data;
+    gpucx_am_group_t *g = (gpucx_am_group_t *)(uintptr_t)m->value;
+    gpucx_am_state_t *st = g->reg->state;
+
+    ucp_request_free(request);
+    pthread_mutex_lock(&st->lock);
+    m->length = length;
+    gpucx__am_member_done(g, m, status);
+    pthread_mutex_unlock(&st->lock);
+}
+
+/* gpucx__am_deliver for a member of a group (state lock held; released). */
+static ucs_status_t gpucx__am_deliver_member(gpucx_am_state_t *st,
+                                             const gpucx_am_post_t *p,
+                                             void *data, size_t length,
+                                             uint64_t attr)
+{
+    gpucx_am_group_t   *g = p->group;
+    gpucx_slot_t       *m = p->slot;
+    ucp_request_param_t rp;
+    ucs_status_ptr_t    r;
+
+    m->length = length;
+    if (length > p->len) {
+        gpucx__am_member_done(g, m, UCS_ERR_MESSAGE_TRUNCATED);
+        pthread_mutex_unlock(&st->lock);
+        return UCS_OK; /* dropped: a rendezvous sender completes */
+    }
+    if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        if (length != 0) {
+            memcpy(p->buf, data, length);
+        }
+        gpucx__am_member_done(g, m, UCS_OK);
+        pthread_mutex_unlock(&st->lock);
+        return UCS_OK;
+    }
+    pthread_mutex_unlock(&st->lock);
+    m->value        = (uint64_t)(uintptr_t)g;
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    rp.cb.recv_am   = gpucx__am_member_cb;
+    rp.user_data    = m;
+    rp.memory_type  = UCS_MEMORY_TYPE_HOST;
+    r = ucp_am_recv_data_nbx(st->worker, data, p->buf, length, &rp);
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        pthread_mutex_lock(&st->lock);
+        gpucx__am_member_done(g, m, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
+        pthread_mutex_unlock(&st->lock);
+    }
+    return UCS_INPROGRESS; /* the descriptor now belongs to the receive */
+}
+
 /* Hand an arriving message to the oldest posted receive (called with the
  * state lock held; releases it).  A rendezvous payload is fetched straight
  * into the posted buffer; an eager one is copied.  A message larger than
@@ -108,6 +195,9 @@ static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
         reg->phead = reg->ptail = 0;
     }
     p.slot->kind = 0;
+    if (p.group != NULL) {
+        return gpucx__am_deliver_member(st, &p, data, length, attr);
+    }
     pthread_mutex_unlock(&st->lock);
     if (length > p.len) {
         p.slot->length = length;
@@ -201,44 +291,130 @@ static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
     return ucp_worker_set_am_recv_handler(reg->state->worker, &p);
 }
 
+/* Make room for k more posted receives (state lock held). */
+static int gpucx__am_posts_reserve(gpucx_am_reg_t *reg, size_t k)
+{
+    gpucx_am_post_t *q;
+    size_t           cap;
+
+    if (reg->ptail + k <= reg->pcap) {
+        return 1;
+    }
+    if (reg->phead > 0) {
+        memmove(reg->posts, reg->posts + reg->phead,
+                (reg->ptail - reg->phead) * sizeof(gpucx_am_post_t));
+        reg->ptail -= reg->phead;
+        reg->phead  = 0;
+        if (reg->ptail + k <= reg->pcap) {
+            return 1;
+        }
+    }
+    cap = reg->pcap ? reg->pcap : 16;
+    while (cap < reg->ptail + k) {
+        cap *= 2;
+    }
+    if (cap > UINT_MAX) {
+        return 0;
+    }
+    q = (gpucx_am_post_t *)realloc(reg->posts, cap * sizeof(*q));
+    if (q == NULL) {
+        return 0;
+    }
+    reg->posts = q;
+    reg->pcap  = (unsigned)cap;
+    return 1;
+}
+
+static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
+                                 gpucx_slot_t *slot, gpucx_am_group_t *g)
+{
+    slot->status = UCS_INPROGRESS;
+    slot->req    = NULL;
+    slot->length = 0;
+    slot->kind   = GPUCX_SLOT_AM_POSTED;
+    slot->value  = (uint64_t)(uintptr_t)reg;
+    reg->posts[reg->ptail].buf   = buf;
+    reg->posts[reg->ptail].len   = len;
+    reg->posts[reg->ptail].slot  = slot;
+    reg->posts[reg->ptail].group = g;
+    reg->ptail++;
+}
+
 /* Post buf for the next message of reg's id.  Returns UCS_INPROGRESS, or
  * UCS_ERR_NO_MEMORY. */
 static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                                   gpucx_slot_t *slot)
 {
     gpucx_am_state_t *st = reg->state;
-    gpucx_am_post_t  *q;
-    unsigned          cap;
 
     pthread_mutex_lock(&st->lock);
-    if (reg->ptail == reg->pcap) {
-        if (reg->phead > 0) {
-            memmove(reg->posts, reg->posts + reg->phead,
-                    (reg->ptail - reg->phead) * sizeof(gpucx_am_post_t));
-            reg->ptail -= reg->phead;
-            reg->phead  = 0;
-        } else {
-            cap = reg->pcap ? 2 * reg->pcap : 16;
-            q   = (gpucx_am_post_t *)realloc(reg->posts, cap * sizeof(*q));
-            if (q == NULL) {
-                pthread_mutex_unlock(&st->lock);
-                return UCS_ERR_NO_MEMORY;
-            }
-            reg->posts = q;
-            reg->pcap  = cap;
-        }
+    if (!gpucx__am_posts_reserve(reg, 1)) {
+        pthread_mutex_unlock(&st->lock);
+        return UCS_ERR_NO_MEMORY;
     }
-    slot->status = UCS_INPROGRESS;
-    slot->req    = NULL;
-    slot->length = 0;
-    slot->kind   = GPUCX_SLOT_AM_POSTED;
-    slot->value  = (uint64_t)(uintptr_t)reg;
-    reg->posts[reg->ptail].buf  = buf;
-    reg->posts[reg->ptail].len  = len;
-    reg->posts[reg->ptail].slot = slot;
-    reg->ptail++;
+    gpucx__am_posts_push(reg, buf, len, slot, NULL);
     pthread_mutex_unlock(&st->lock);
     return UCS_INPROGRESS;
+}
+
+/* Post bufs[0..n) (sizes lens[], member slots members[]) for the next n
+ * messages of reg's id, in order, behind g's one slot.  Returns
+ * UCS_INPROGRESS, UCS_OK for n == 0, or UCS_ERR_NO_MEMORY (nothing posted). */
+static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
+                                        gpucx_am_group_t *g, void **bufs,
+                                        const size_t *lens,
+                                        gpucx_slot_t *members, size_t n)
+{
+    gpucx_am_state_t *st = reg->state;
+    size_t            i;
+
+    g->reg         = reg;
+    g->pending     = n;
+    g->error       = UCS_OK;
+    g->slot.req    = NULL;
+    g->slot.length = 0;
+    if (n == 0) {
+        g->slot.kind   = 0;
+        g->slot.status = UCS_OK;
+        return UCS_OK;
+    }
+    pthread_mutex_lock(&st->lock);
+    if (!gpucx__am_posts_reserve(reg, n)) {
+        pthread_mutex_unlock(&st->lock);
+        g->slot.kind   = 0;
+        g->slot.status = UCS_ERR_NO_MEMORY;
+        return UCS_ERR_NO_MEMORY;
+    }
+    g->slot.kind   = GPUCX_SLOT_AM_GROUP;
+    g->slot.status = UCS_INPROGRESS;
+    for (i = 0; i < n; i++) {
+        gpucx__am_posts_push(reg, bufs[i], lens[i], &members[i], g);
+    }
+    pthread_mutex_unlock(&st->lock);
+    return UCS_INPROGRESS;
+}
+
+/* Withdraw the members of g no message matched yet: they complete with
+ * UCS_ERR_CANCELED (matched ones finish their receive). */
+static void gpucx__am_unpost_group(gpucx_am_group_t *g)
+{
+    gpucx_am_reg_t   *reg = g->reg;
+    gpucx_am_state_t *st  = reg->state;
+    unsigned          i, j;
+
+    pthread_mutex_lock(&st->lock);
+    for (i = j = reg->phead; i < reg->ptail; i++) {
+        gpucx_am_post_t *p = &reg->posts[i];
+
+        if (p->group == g) {
+            p->slot->kind = 0;
+            gpucx__am_member_done(g, p->slot, UCS_ERR_CANCELED);
+        } else {
+            reg->posts[j++] = *p;
+        }
+    }
+    reg->ptail = j;
+    pthread_mutex_unlock(&st->lock);
 }
 
 /* Withdraw a posted receive that no message matched yet: it completes with
@@ -274,8 +450,13 @@ static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
 
     pthread_mutex_lock(&st->lock);
     for (i = reg->phead; i < reg->ptail; i++) {
-        reg->posts[i].slot->kind   = 0;
-        reg->posts[i].slot->status = UCS_ERR_CANCELED;
+        reg->posts[i].slot->kind = 0;
+        if (reg->posts[i].group != NULL) {
+            gpucx__am_member_done(reg->posts[i].group, reg->posts[i].slot,
+                                  UCS_ERR_CANCELED);
+        } else {
+            reg->posts[i].slot->status = UCS_ERR_CANCELED;
+        }
     }
     free(reg->posts);
     reg->posts = NULL;

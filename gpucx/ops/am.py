@@ -34,7 +34,7 @@ import warnings
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import MessageTruncatedError, UnsupportedError, check
+from ..errors import MessageTruncatedError, UCXError, UnsupportedError, check
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..request import SPIN_NS, Request, finish, new_slot, posted
@@ -46,6 +46,8 @@ __all__ = [
     "am_send_nb",
     "am_recv",
     "am_recv_nb",
+    "am_recv_many",
+    "am_recv_many_nb",
     "dispatch",
     "RESERVED_AM_IDS",
     "MAX_USER_AM_ID",
@@ -704,3 +706,117 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
         As for :func:`am_recv_nb`.
     """
     return am_recv_nb(worker, am_id, buf, stream=stream).wait(timeout)
+
+
+_SLOTS = ffi.typeof("gpucx_slot_t[]")
+_GROUP = ffi.typeof("gpucx_am_group_t *")
+_PTRS = ffi.typeof("void *[]")
+_SIZES = ffi.typeof("size_t[]")
+_RECV_MANY = "am receive (posted together)"
+
+
+def _sizes(req) -> list:
+    members = req._keep[1]
+    return [members[i].length for i in range(len(members))]
+
+
+def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
+    """Post every buffer of ``bufs``, in order, for the next ``len(bufs)``
+    active messages sent to ``am_id``; one request for all of them.
+
+    As :func:`am_recv_nb` for each buffer (matched in posting order, in the
+    UCX callback, no Python per message), with one C call to post them all
+    and one completion: the way to keep a stream of messages flowing into a
+    set of buffers at the cost of one Python call per batch.  Receives
+    posted singly and in groups share one order per id.
+
+    Parameters
+    ----------
+    bufs : sequence of buffers
+        Writable, contiguous host memory each (the same buffer may appear
+        more than once).
+    stream : stream object or int, optional
+        As for :func:`am_recv_nb`.
+
+    Returns
+    -------
+    Request
+        ``wait()`` returns the payload sizes, a list in the order of
+        ``bufs``, once every buffer received its message.  If one failed
+        (a message larger than its buffer: ``MessageTruncatedError``, the
+        message is dropped) the request fails with that error once every
+        buffer is done.  ``cancel()`` or a ``wait`` timeout withdraws the
+        buffers no message has matched yet (the request then fails with
+        :class:`~gpucx.CanceledError`); messages already matched still land
+        in their buffers.
+
+    Raises
+    ------
+    TypeError
+        If ``bufs`` is not a sequence.
+    ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
+        As for :func:`am_recv_nb` (naming the buffer), before anything is
+        posted.
+    """
+    if worker._h is None:
+        raise_closed(worker)
+    _check_id(am_id)
+    am = worker._am
+    if not am.enabled:
+        _no_am()
+    try:
+        bufs = list(bufs)
+    except TypeError:
+        raise TypeError(
+            f"am_recv_many_nb: bufs must be a sequence of buffers, not "
+            f"{type(bufs).__name__}"
+        ) from None
+    n = len(bufs)
+    ptrs = ffi.new(_PTRS, max(n, 1))
+    lens = ffi.new(_SIZES, max(n, 1))
+    keeps = []
+    for i, buf in enumerate(bufs):
+        try:
+            ptr, nbytes, mt, keep = acquire(buf, True, stream)
+            if mt != _HOST:
+                raise UnsupportedError(
+                    "posted receives take host memory; receive device memory "
+                    "with a handler and AmMessage.receive_into"
+                )
+        except (TypeError, ValueError, BufferError, UCXError) as exc:
+            exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
+            raise
+        ptrs[i] = ptr
+        lens[i] = nbytes
+        keeps.append(keep)
+    if stream is not None:
+        _cuda.prepare(worker, ffi.NULL, _HOST, stream, _RECV)
+    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    members = ffi.new(_SLOTS, max(n, 1))
+    group = ffi.new(_GROUP)
+    st = lib.gpucx_am_post_group(am.regs[am_id], group, ptrs, lens, members, n)
+    if st not in (lib.UCS_INPROGRESS, lib.UCS_OK):
+        check(st, "am_recv_many_nb")
+    if n == 0:
+        members = ffi.new(_SLOTS, 0)
+    slot = ffi.addressof(group, "slot")
+    return Request(worker, slot, (keeps, members, group), _RECV_MANY, _sizes)
+
+
+def am_recv_many(
+    worker, am_id: int, bufs, timeout: float | None = None, *, stream=None
+) -> list:
+    """Receive the next ``len(bufs)`` active messages sent to ``am_id`` into
+    ``bufs``, in order (see :func:`am_recv_many_nb`); return their sizes.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When not every buffer received a message within ``timeout`` (the
+        rest are withdrawn).
+    gpucx.MessageTruncatedError
+        For a message larger than its buffer (dropped).
+    TypeError, ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
+        As for :func:`am_recv_many_nb`.
+    """
+    return am_recv_many_nb(worker, am_id, bufs, stream=stream).wait(timeout)

@@ -423,6 +423,8 @@ class Transfer:
         "__weakref__",
     )
 
+    _keep: list | None
+
     def __init__(self, ep, entries, is_get: bool):
         if ep._h is None:
             raise_closed(ep)
@@ -436,7 +438,7 @@ class Transfer:
             ) from None
         w = ep._w
         items = ffi.new(_ITEMS, max(len(entries), 1))
-        keep = []
+        keep: list = []
         keys: list = []
         total = 0
         cuda_ptr = None

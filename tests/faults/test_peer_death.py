@@ -122,6 +122,12 @@ def case_am_recv_posted(w, ep, remote, proc, msgs, chan):
     _ends_at_deadline(w, ep, proc, w.am_recv_nb(AM_ID, bytearray(64)))
 
 
+def case_am_recv_group(w, ep, remote, proc, msgs, chan):
+    # The same for receives posted together: the group ends at the deadline.
+    bufs = [bytearray(64) for _ in range(4)]
+    _ends_at_deadline(w, ep, proc, w.am_recv_many_nb(AM_ID, bufs))
+
+
 def case_stream_recv(w, ep, remote, proc, msgs, chan):
     req = ep.stream_recv_nb(bytearray(64))
     kill(proc)
@@ -152,6 +158,13 @@ def case_get(w, ep, remote, proc, msgs, chan):
     rmem = ep.unpack(remote)
     dst = np.empty(BIG, np.uint8)
     _rma_then_flush(w, ep, lambda: ep.get_nb(dst, rmem), proc)
+
+
+def case_put_transfer(w, ep, remote, proc, msgs, chan):
+    rmem = ep.unpack(remote)
+    src = np.ones(BIG // 4, np.uint8)
+    xfer = ep.prepare_put([(src, rmem, i * (BIG // 4)) for i in range(4)])
+    _rma_then_flush(w, ep, xfer.run_nb, proc)
 
 
 def case_atomic(w, ep, remote, proc, msgs, chan):
