@@ -25,7 +25,10 @@ within the round.  The table gives the median over the rounds of gpucx,
 of the reference and of the per-round ratio, and the range of the ratios.
 Both sides use UCX's default transports and no peer error handling
 (perftest's default; gpucx ``error_handling=False``: peer error handling
-rules out CMA zero-copy on this host).  Nothing here is asserted.
+rules out CMA zero-copy on this host), and message buffers mapped by UCX
+(``ctx.allocate``), as perftest's are: page size changes the copy speed
+(NumPy puts arrays of 4 MiB and more on huge pages, which makes 16 MiB
+faster than perftest's buffers).  Nothing here is asserted.
 """
 
 from __future__ import annotations
@@ -53,7 +56,16 @@ DEPTH = 2
 # -- gpucx peer ---------------------------------------------------------------
 
 
-def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
+def _buffer(ctx, size: int, memory: str) -> np.ndarray:
+    """A message buffer: mapped by UCX (``ctx.allocate``, as ucx_perftest
+    allocates its buffers) or a NumPy array (which NumPy backs with huge
+    pages from 4 MiB on)."""
+    if memory == "ucx":
+        return ctx.allocate(size).as_array(np.uint8)
+    return np.empty(size, np.uint8)
+
+
+def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) -> None:
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
         if mode in ("posted", "group"):
@@ -62,7 +74,7 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
             # "group": one am_recv_many_nb per round.  DEPTH rounds are
             # posted before the client can send (a message that finds
             # neither a posted receive nor a handler is dropped).
-            buf = np.empty(size, np.uint8)
+            buf = _buffer(ctx, size, memory)
 
             def post_round():
                 if mode == "group":
@@ -80,7 +92,7 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
                 for _ in range(10000):  # a syscall per 10000 polls only
                     progress()
         elif mode == "bw":
-            buf = np.empty(size, np.uint8)
+            buf = _buffer(ctx, size, memory)
             reqs = []
 
             def on_data(msg):
@@ -121,10 +133,14 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int) -> None:
 
 
 class _Peer:
-    def __init__(self, mode: str, size: int, iters: int, rounds: int = 0):
+    def __init__(
+        self, mode: str, size: int, iters: int, rounds: int = 0, memory: str = "ucx"
+    ):
         self.conn, theirs = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=_server, args=(theirs, mode, size, iters, rounds), daemon=True
+            target=_server,
+            args=(theirs, mode, size, iters, rounds, memory),
+            daemon=True,
         )
         self.proc.start()
         self.ctx = gpucx.Context()
@@ -188,15 +204,25 @@ def _bw_rounds(w, ep, payload, iters, acks, kind, rounds):
         w.progress()
 
 
-def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
+def gpucx_bw(
+    size: int,
+    iters: int,
+    kind: str,
+    rounds: int = 8,
+    runs: int = 1,
+    memory: str = "ucx",
+):
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
     best of ``runs`` runs: ``kind`` "am" (a handler calls receive_into),
     "posted" (receives posted ahead, one call each), "group" (posted a
     round at a time with ``am_recv_many_nb``) or "array".  The receiver acks each
     round; the sender stays at most ``DEPTH`` rounds ahead, so the link
-    never idles between rounds (perftest's ``ucp_am_bw`` streams too)."""
+    never idles between rounds (perftest's ``ucp_am_bw`` streams too).
+    ``memory``: where the send and receive buffers live (see ``_buffer``;
+    arrays are always NumPy arrays)."""
     mode = {"am": "bw", "posted": "posted", "group": "group"}.get(kind, "array")
-    peer = _Peer(mode, size, iters, 1 + rounds * runs)  # with the warm-up round
+    # With the warm-up round.
+    peer = _Peer(mode, size, iters, 1 + rounds * runs, memory)
     w, ep = peer.w, peer.ep
     acks = [0]
 
@@ -207,7 +233,8 @@ def gpucx_bw(size: int, iters: int, kind: str, rounds: int = 8, runs: int = 1):
     if kind == "array":
         payload = np.ones(size // 4, np.float32)
     else:
-        payload = np.ones(size, np.uint8)
+        payload = _buffer(peer.ctx, size, memory)
+        payload[:] = 1
     _bw_rounds(w, ep, payload, iters, acks, kind, 1)  # warm-up round
     best = float("inf")
     for _ in range(runs):
@@ -262,7 +289,6 @@ def one_round(a, port: int) -> dict:
     lat = gpucx_am_lat(8, a.lat_iters)
     plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, port)
     out["AM latency 8 B (us, one-way)"] = (lat, plat, plat / lat)
-    raw = 0.0
     for size in (MIB, 16 * MIB):
         # At least 64 MiB per ack, so the per-round ack is negligible.
         n = max(a.bw_iters, 64 * MIB // size)
@@ -273,7 +299,8 @@ def one_round(a, port: int) -> dict:
         out[f"AM {size // MIB} MiB, handler (MiB/s)"] = (bw, pbw, bw / pbw)
         out[f"AM {size // MIB} MiB, posted (MiB/s)"] = (posted, pbw, posted / pbw)
         out[f"AM {size // MIB} MiB, posted group (MiB/s)"] = (group, pbw, group / pbw)
-        raw = bw
+    # Arrays are NumPy arrays: compare with raw AM between NumPy buffers.
+    raw = gpucx_bw(16 * MIB, a.bw_iters, "am", memory="numpy")
     arr = gpucx_bw(16 * MIB, a.bw_iters, "array")
     out["send/recv_array 16 MiB (MiB/s)"] = (arr, raw, arr / raw)
     return out
@@ -296,7 +323,9 @@ def main() -> None:
         lo = min(x[name][2] for x in rounds)
         hi = max(x[name][2] for x in rounds)
         print(f"{name:32} {g:9.2f} {r:10.2f} {q:6.2f}  {lo:.2f}-{hi:.2f}")
-    print("reference: ucx_perftest, except send/recv_array (raw gpucx AM);")
+    print("buffers: mapped by UCX on both sides, as ucx_perftest's; arrays: NumPy")
+    print("reference: ucx_perftest, except send/recv_array (raw gpucx AM between")
+    print("NumPy buffers);")
     print("ratio: gpucx/reference for bandwidth, reference/gpucx for latency,")
     print("taken within each round")
 
