@@ -444,17 +444,17 @@ class AmBw(_AmBase):
         self.rbuf = self.buffer()
         self.posted: list = []
         if self.mem == "host":
-            # Receives posted ahead (worker.am_recv_nb), matched in the UCX
-            # callback: no Python per message, as ucx_perftest receives in
-            # its callback.  Posted before the client may send.
+            # Receives posted ahead (worker.am_recv_many_nb: one call, one
+            # request per phase), matched in the UCX callback: no Python per
+            # message, as ucx_perftest receives in its callback.  Posted
+            # before the client may send.
             self.posted = self._post(self.p.warmup)
         else:  # device memory: a handler and receive_into
             self._inbox()
         return {}
 
     def _post(self, n: int) -> list:
-        post = self.s.worker.am_recv_nb
-        return [post(AM_ID, self.rbuf) for _ in range(n)]
+        return [self.s.worker.am_recv_many_nb(AM_ID, [self.rbuf] * n)] if n else []
 
     def serve(self) -> None:
         if self.mem != "host":
