@@ -3,7 +3,9 @@
 Measures between two processes on this host (default UCX transports):
 
 * 8-byte AM round trip; reported as one-way latency (half the round trip),
-  like the overall latency column of ``ucx_perftest -t ucp_am_lat``;
+  like the overall latency column of ``ucx_perftest -t ucp_am_lat``: with a
+  handler per message on both sides, and with receives posted ahead
+  (``am_recv_nb`` before each send, then ``wait``);
 * AM bandwidth at 1 MiB and 16 MiB against ``ucx_perftest -t ucp_am_bw``,
   with three receivers: a handler per message that calls ``receive_into``
   (a reused buffer, zero copy); receives posted ahead with
@@ -82,6 +84,10 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) ->
                 return [w.am_recv_nb(DATA, buf) for _ in range(iters)]
 
             posted = [post_round() for _ in range(min(DEPTH, rounds))]
+        elif mode == "lat_posted":
+            # The first receive is posted before the client may send.
+            ping = np.zeros(size, np.uint8)
+            req = w.am_recv_nb(PING, ping)
         conn.send(w.address)
         ep = w.connect(conn.recv(), error_handling=False)
         if mode == "lat":
@@ -91,6 +97,13 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) ->
             while not conn.poll(0):
                 for _ in range(10000):  # a syscall per 10000 polls only
                     progress()
+        elif mode == "lat_posted":
+            pong = np.zeros(size, np.uint8)
+            for i in range(rounds):
+                req.wait()
+                if i + 1 < rounds:  # the next receive before the reply
+                    req = w.am_recv_nb(PING, ping)
+                ep.am_send(PONG, pong)
         elif mode == "bw":
             buf = _buffer(ctx, size, memory)
             reqs = []
@@ -182,6 +195,30 @@ def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
         best = min(best, time.perf_counter() - t0)
     peer.close()
     return best / iters / 2 * 1e6
+
+
+def gpucx_am_lat_posted(size: int, iters: int) -> float:
+    """One-way latency in microseconds with posted receives on both sides:
+    each side posts its next receive before it sends, so no handler runs
+    (``am_recv_nb``, blocking ``am_send``, ``wait``)."""
+    warm = max(100, iters // 10)
+    peer = _Peer("lat_posted", size, iters, warm + iters)
+    w, ep = peer.w, peer.ep
+    ping = np.zeros(size, np.uint8)
+    pong = np.zeros(size, np.uint8)
+    recv, send = w.am_recv_nb, ep.am_send
+    for _ in range(warm):
+        req = recv(PONG, pong)
+        send(PING, ping)
+        req.wait()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        req = recv(PONG, pong)
+        send(PING, ping)
+        req.wait()
+    dt = time.perf_counter() - t0
+    peer.close()
+    return dt / iters / 2 * 1e6
 
 
 def _bw_rounds(w, ep, payload, iters, acks, kind, rounds):
@@ -289,6 +326,8 @@ def one_round(a, port: int) -> dict:
     lat = gpucx_am_lat(8, a.lat_iters)
     plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, port)
     out["AM latency 8 B (us, one-way)"] = (lat, plat, plat / lat)
+    lat = gpucx_am_lat_posted(8, a.lat_iters)
+    out["AM latency 8 B, posted (us)"] = (lat, plat, plat / lat)
     for size in (MIB, 16 * MIB):
         # At least 64 MiB per ack, so the per-round ack is negligible.
         n = max(a.bw_iters, 64 * MIB // size)
