@@ -4,8 +4,8 @@ Measures between two processes on this host (default UCX transports):
 
 * 8-byte AM round trip; reported as one-way latency (half the round trip),
   like the overall latency column of ``ucx_perftest -t ucp_am_lat``: with a
-  handler per message on both sides, and with receives posted ahead
-  (``am_recv_nb`` before each send, then ``wait``);
+  handler per message on both sides, and with blocking ``am_send`` then
+  blocking ``am_recv`` (posted receives, no handler);
 * AM bandwidth at 1 MiB and 16 MiB against ``ucx_perftest -t ucp_am_bw``,
   with three receivers: a handler per message that calls ``receive_into``
   (a reused buffer, zero copy); receives posted ahead with
@@ -98,11 +98,13 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) ->
                 for _ in range(10000):  # a syscall per 10000 polls only
                     progress()
         elif mode == "lat_posted":
+            # After the first receive, a ping that comes before the next
+            # am_recv waits for it (kept): a plain loop loses nothing.
             pong = np.zeros(size, np.uint8)
-            for i in range(rounds):
-                req.wait()
-                if i + 1 < rounds:  # the next receive before the reply
-                    req = w.am_recv_nb(PING, ping)
+            req.wait()
+            ep.am_send(PONG, pong)
+            for _ in range(rounds - 1):
+                w.am_recv(PING, ping)
                 ep.am_send(PONG, pong)
         elif mode == "bw":
             buf = _buffer(ctx, size, memory)
@@ -199,23 +201,25 @@ def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
 
 def gpucx_am_lat_posted(size: int, iters: int) -> float:
     """One-way latency in microseconds with posted receives on both sides:
-    each side posts its next receive before it sends, so no handler runs
-    (``am_recv_nb``, blocking ``am_send``, ``wait``)."""
+    blocking ``am_send``, then blocking ``am_recv`` (one C call each; no
+    handler runs)."""
     warm = max(100, iters // 10)
     peer = _Peer("lat_posted", size, iters, warm + iters)
     w, ep = peer.w, peer.ep
     ping = np.zeros(size, np.uint8)
     pong = np.zeros(size, np.uint8)
-    recv, send = w.am_recv_nb, ep.am_send
-    for _ in range(warm):
-        req = recv(PONG, pong)
+    recv, send = w.am_recv, ep.am_send
+    # The first receive registers PONG before the server may reply.
+    req = w.am_recv_nb(PONG, pong)
+    send(PING, ping)
+    req.wait()
+    for _ in range(warm - 1):
         send(PING, ping)
-        req.wait()
+        recv(PONG, pong)
     t0 = time.perf_counter()
     for _ in range(iters):
-        req = recv(PONG, pong)
         send(PING, ping)
-        req.wait()
+        recv(PONG, pong)
     dt = time.perf_counter() - t0
     peer.close()
     return dt / iters / 2 * 1e6

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -646,6 +647,138 @@ def test_worker_close_cancels_posted_receives(ctx):
     with pytest.raises(gpucx.ClosedError):
         p.b.am_recv_nb(18, bytearray(4))
     p.a.close()
+
+
+# -- kept messages: an id used with posted receives and no handler ----------------
+
+
+def _kept(worker, am_id):
+    from gpucx._lib import lib
+
+    return lib.gpucx_am_kept(worker._am.regs[am_id])
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_messages_before_a_receive_wait_for_it(pair, tls, proto):
+    n = 64 if proto == "eager" else 1 << 20
+    first = np.zeros(n, np.uint8)
+    req = pair.b.am_recv_nb(41, first)  # the id now keeps what finds no receive
+    sends = [
+        pair.ab.am_send_nb(41, np.full(n, k + 1, np.uint8), proto=proto)
+        for k in range(5)
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is dropped
+        pump(pair, lambda: req.done() and _kept(pair.b, 41) == 4)
+        assert req.result() == n and (first == 1).all()
+        # One by one, then as a group: in arrival order.
+        buf = np.zeros(n, np.uint8)
+        assert pair.drive(pair.b.am_recv_nb(41, buf)) == [n]
+        assert (buf == 2).all()
+        bufs = [np.zeros(n, np.uint8) for _ in range(3)]
+        group = pair.b.am_recv_many_nb(41, bufs)
+        assert pair.drive(group, *sends, timeout=30)[0] == [n, n, n]
+    assert [int(b[0]) for b in bufs] == [3, 4, 5]
+    assert all((b == b[0]).all() for b in bufs)
+    assert _kept(pair.b, 41) == 0
+
+
+def test_group_takes_kept_messages_then_posts_the_rest(pair):
+    pair.b.am_recv_nb(42, bytearray(1)).cancel()  # registers the id
+    pair.drive(pair.ab.am_send_nb(42, b"k1"), pair.ab.am_send_nb(42, b"k2"))
+    pump(pair, lambda: _kept(pair.b, 42) == 2)
+    bufs = [bytearray(2) for _ in range(4)]
+    req = pair.b.am_recv_many_nb(42, bufs)
+    assert not req.done()  # two buffers are still posted
+    pair.drive(pair.ab.am_send_nb(42, b"p3"), pair.ab.am_send_nb(42, b"p4"))
+    assert pair.drive(req)[0] == [2, 2, 2, 2]
+    assert bufs == [
+        bytearray(b"k1"),
+        bytearray(b"k2"),
+        bytearray(b"p3"),
+        bytearray(b"p4"),
+    ]
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_kept_message_too_large_fails_that_receive_only(pair, proto):
+    pair.b.am_recv_nb(43, bytearray(1)).cancel()
+    s1 = pair.ab.am_send_nb(43, np.ones(5000, np.uint8), proto=proto)
+    s2 = pair.ab.am_send_nb(43, np.full(10, 9, np.uint8), proto=proto)
+    pump(pair, lambda: _kept(pair.b, 43) == 2)
+    with pytest.raises(gpucx.MessageTruncatedError) as err:
+        pair.b.am_recv(43, np.zeros(100, np.uint8), timeout=10)
+    assert err.value.buffer_size == 100 and err.value.message_size == 5000
+    buf = np.zeros(10, np.uint8)
+    # (A rendezvous fetch in one process needs the sender's progress too.)
+    assert pair.drive(pair.b.am_recv_nb(43, buf), s1, s2)[0] == 10
+    assert (buf == 9).all()  # and both senders completed
+
+
+def test_setting_a_handler_hands_it_the_kept_messages(pair):
+    pair.b.am_recv_nb(44, bytearray(1)).cancel()
+    pair.drive(*(pair.ab.am_send_nb(44, b"m%d" % i) for i in range(3)))
+    pump(pair, lambda: _kept(pair.b, 44) == 3)
+    got = collect(pair.b, 44)
+    pump(pair, lambda: len(got) == 3)
+    assert [bytes(m.data) for m in got] == [b"m0", b"m1", b"m2"]
+    assert _kept(pair.b, 44) == 0
+    # Cleared again: messages are kept for receives once more.
+    pair.b.set_am_handler(44, None)
+    pair.drive(pair.ab.am_send_nb(44, b"m3"))
+    pump(pair, lambda: _kept(pair.b, 44) == 1)
+    buf = bytearray(2)
+    assert pair.b.am_recv(44, buf, timeout=5) == 2 and buf == b"m3"
+
+
+def test_blocking_am_recv_times_out_then_keeps(pair):
+    buf = bytearray(4)
+    with pytest.raises(gpucx.TimeoutError):
+        pair.b.am_recv(45, buf, timeout=0.1)
+    pair.drive(pair.ab.am_send_nb(45, b"late"))
+    pump(pair, lambda: _kept(pair.b, 45) == 1)  # not taken by the withdrawn one
+    assert pair.b.am_recv(45, buf, timeout=5) == 4 and buf == b"late"
+
+
+@pytest.mark.parametrize("nbytes", [64, 1 << 20], ids=["eager", "rndv"])
+def test_worker_close_releases_kept_messages(ctx, nbytes):
+    p = Pair(ctx)
+    p.b.am_recv_nb(46, bytearray(1)).cancel()
+    sends = [p.ab.am_send_nb(46, np.ones(nbytes, np.uint8)) for _ in range(3)]
+    pump(p, lambda: _kept(p.b, 46) == 3)
+    p.b.close()
+    for s in sends:  # each sender's request ends (done or failed), no hang
+        try:
+            s.wait(10)
+        except gpucx.UCXError:
+            pass
+    p.a.close()
+
+
+def test_a_blocking_am_recv_loop_loses_nothing_across_processes(tls):
+    from conftest import channel_pair, join_ok, spawn, transport_config
+    from peers_am import am_burst_peer
+
+    sizes = [5, 0, 70000, 1 << 20, 3, 8192, 2 << 20, 1]
+    q, theirs = channel_pair()
+    child = spawn(am_burst_peer, tls, theirs, sizes)
+    try:
+        with gpucx.Context(config=transport_config(tls)) as ctx:
+            w = ctx.create_worker()
+            ep = w.connect(q.get(60))
+            q.put(w.address)
+            bufs = [np.zeros(n, np.uint8) for n in sizes]
+            first = w.am_recv_nb(11, bufs[0])  # registered before the burst
+            q.put("go")
+            got = [first.wait(60)]
+            got += [w.am_recv(11, buf, timeout=60) for buf in bufs[1:]]
+            assert got == sizes
+            for i, buf in enumerate(bufs):
+                assert (buf == i % 251 + 1).all()
+            q.put("bye")
+            ep.close()
+    finally:
+        join_ok(child, 60)
 
 
 # -- receives posted together (worker.am_recv_many_nb / am_recv_many) -------------

@@ -132,3 +132,40 @@ def test_group_am_receives_with_a_progress_thread(n, words, proto):
         for g, bufs in enumerate(groups):
             for i, buf in enumerate(bufs):
                 assert (buf == g * n + i).all()
+
+
+@pytest.mark.parametrize(
+    ("n", "words", "proto"), [(3000, 2, "eager"), (300, 8192, "rndv")]
+)
+def test_kept_and_posted_am_receives_race_with_a_progress_thread(n, words, proto):
+    """Messages arrive (on progress threads) while the main thread posts
+    receives singly and in groups: some wait as kept messages, some find a
+    posted receive; either way each lands in exactly one buffer, in order."""
+    with gpucx.Context(features={"am"}) as ctx:
+        a = ctx.create_worker(thread_mode="multi")
+        b = ctx.create_worker(thread_mode="multi")
+        ep = a.connect(b.address)
+        bufs = [np.zeros(words, np.int64) for _ in range(n)]
+        with gpucx.aio.ProgressThread(a), gpucx.aio.ProgressThread(b):
+            reqs = [b.am_recv_nb(23, bufs[0])]  # registers the id
+            sends = [
+                ep.am_send_nb(23, np.full(words, i, np.int64), proto=proto)
+                for i in range(n)
+            ]
+            i = 1
+            while i < n:  # alternate single receives and groups of 7
+                if i % 2:
+                    reqs.append(b.am_recv_nb(23, bufs[i]))
+                    i += 1
+                else:
+                    reqs.append(b.am_recv_many_nb(23, bufs[i : i + 7]))
+                    i += 7
+            sizes = []
+            for r in reqs:
+                got = r.wait(60)
+                sizes += got if isinstance(got, list) else [got]
+            assert sizes == [8 * words] * n
+            for s in sends:
+                s.wait(60)
+        for i, buf in enumerate(bufs):
+            assert (buf == i).all(), i

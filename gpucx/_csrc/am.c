@@ -69,6 +69,15 @@ typedef struct gpucx_am_reg {
     unsigned          phead;
     unsigned          ptail;
     unsigned          pcap;
+    /* keep: the id is used with posted receives and has no Python handler.
+     * A message then finding no posted receive waits in kq[khead, ktail)
+     * for the next one posted (oldest first) instead of going to the
+     * dispatch queue.  kq is non-empty only while no receive is posted. */
+    int               keep;
+    gpucx_am_msg_t   *kq;
+    unsigned          khead;
+    unsigned          ktail;
+    unsigned          kcap;
 } gpucx_am_reg_t;
 
 /* slot->kind of a posted AM receive not yet matched (slot->value holds its
@@ -96,30 +105,35 @@ static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
 static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
 
-/* Make room for one more entry: compact, then grow. */
-static int gpucx__amq_reserve(gpucx_am_state_t *st)
+/* Make room for one more entry of a message queue: compact, then grow. */
+static int gpucx__msgq_reserve(gpucx_am_msg_t **qp, unsigned *head,
+                               unsigned *tail, unsigned *capp)
 {
     gpucx_am_msg_t *q;
     unsigned        cap;
 
-    if (st->tail < st->cap) {
+    if (*tail < *capp) {
         return 1;
     }
-    if (st->head > 0) {
-        memmove(st->q, st->q + st->head,
-                (st->tail - st->head) * sizeof(gpucx_am_msg_t));
-        st->tail -= st->head;
-        st->head  = 0;
+    if (*head > 0) {
+        memmove(*qp, *qp + *head, (*tail - *head) * sizeof(gpucx_am_msg_t));
+        *tail -= *head;
+        *head  = 0;
         return 1;
     }
-    cap = st->cap ? 2 * st->cap : GPUCX_AMQ_MIN;
-    q   = (gpucx_am_msg_t *)realloc(st->q, cap * sizeof(gpucx_am_msg_t));
+    cap = *capp ? 2 * *capp : GPUCX_AMQ_MIN;
+    q   = (gpucx_am_msg_t *)realloc(*qp, cap * sizeof(gpucx_am_msg_t));
     if (q == NULL) {
         return 0;
     }
-    st->q   = q;
-    st->cap = cap;
+    *qp   = q;
+    *capp = cap;
     return 1;
+}
+
+static int gpucx__amq_reserve(gpucx_am_state_t *st)
+{
+    return gpucx__msgq_reserve(&st->q, &st->head, &st->tail, &st->cap);
 }
 
 static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
@@ -140,45 +154,59 @@ static void gpucx__am_member_cb(void *request, ucs_status_t status,
     pthread_mutex_unlock(&st->lock);
 }
 
+/* Receive a message (data/length/attr as the callback got them) into
+ * member m of g, whose buffer is buf/len (state lock not held).  Returns
+ * whether the data was consumed: 0 for eager data (and a truncated
+ * message), which the caller gives back. */
+static int gpucx__am_member_recv(gpucx_am_state_t *st, gpucx_am_group_t *g,
+                                 gpucx_slot_t *m, void *buf, size_t len,
+                                 void *data, size_t length, uint64_t attr)
+{
+    ucp_request_param_t rp;
+    ucs_status_ptr_t    r;
+    ucs_status_t        status = UCS_OK;
+
+    m->length = length;
+    if (length > len) {
+        status = UCS_ERR_MESSAGE_TRUNCATED; /* dropped; a sender completes */
+    } else if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        if (length != 0) {
+            memcpy(buf, data, length);
+        }
+    } else {
+        m->value        = (uint64_t)(uintptr_t)g;
+        rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                          UCP_OP_ATTR_FIELD_USER_DATA |
+                          UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+        rp.cb.recv_am   = gpucx__am_member_cb;
+        rp.user_data    = m;
+        rp.memory_type  = UCS_MEMORY_TYPE_HOST;
+        r = ucp_am_recv_data_nbx(st->worker, data, buf, length, &rp);
+        if (r != NULL && !UCS_PTR_IS_ERR(r)) {
+            return 1; /* gpucx__am_member_cb completes the member */
+        }
+        pthread_mutex_lock(&st->lock);
+        gpucx__am_member_done(g, m, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
+        pthread_mutex_unlock(&st->lock);
+        return 1;
+    }
+    pthread_mutex_lock(&st->lock);
+    gpucx__am_member_done(g, m, status);
+    pthread_mutex_unlock(&st->lock);
+    return 0;
+}
+
 /* gpucx__am_deliver for a member of a group (state lock held; released). */
 static ucs_status_t gpucx__am_deliver_member(gpucx_am_state_t *st,
                                              const gpucx_am_post_t *p,
                                              void *data, size_t length,
                                              uint64_t attr)
 {
-    gpucx_am_group_t   *g = p->group;
-    gpucx_slot_t       *m = p->slot;
-    ucp_request_param_t rp;
-    ucs_status_ptr_t    r;
-
-    m->length = length;
-    if (length > p->len) {
-        gpucx__am_member_done(g, m, UCS_ERR_MESSAGE_TRUNCATED);
-        pthread_mutex_unlock(&st->lock);
-        return UCS_OK; /* dropped: a rendezvous sender completes */
-    }
-    if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        if (length != 0) {
-            memcpy(p->buf, data, length);
-        }
-        gpucx__am_member_done(g, m, UCS_OK);
-        pthread_mutex_unlock(&st->lock);
-        return UCS_OK;
-    }
     pthread_mutex_unlock(&st->lock);
-    m->value        = (uint64_t)(uintptr_t)g;
-    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                      UCP_OP_ATTR_FIELD_MEMORY_TYPE;
-    rp.cb.recv_am   = gpucx__am_member_cb;
-    rp.user_data    = m;
-    rp.memory_type  = UCS_MEMORY_TYPE_HOST;
-    r = ucp_am_recv_data_nbx(st->worker, data, p->buf, length, &rp);
-    if (r == NULL || UCS_PTR_IS_ERR(r)) {
-        pthread_mutex_lock(&st->lock);
-        gpucx__am_member_done(g, m, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
-        pthread_mutex_unlock(&st->lock);
-    }
-    return UCS_INPROGRESS; /* the descriptor now belongs to the receive */
+    return gpucx__am_member_recv(st, p->group, p->slot, p->buf, p->len, data,
+                                 length, attr)
+               ? UCS_INPROGRESS /* the descriptor now belongs to the receive */
+               : UCS_OK;
 }
 
 /* Hand an arriving message to the oldest posted receive (called with the
@@ -247,8 +275,17 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
         copy = malloc(length);
     }
     pthread_mutex_lock(&st->lock);
+    if (reg->keep && reg->ptail != reg->phead) {
+        /* A receive was posted meanwhile (another thread). */
+        free(hdr);
+        free(copy);
+        return gpucx__am_deliver(reg, data, length, attr);
+    }
     if ((header_length != 0 && hdr == NULL) ||
-        (!keep && length != 0 && copy == NULL) || !gpucx__amq_reserve(st)) {
+        (!keep && length != 0 && copy == NULL) ||
+        !(reg->keep ? gpucx__msgq_reserve(&reg->kq, &reg->khead, &reg->ktail,
+                                          &reg->kcap)
+                    : gpucx__amq_reserve(st))) {
         st->dropped++;
         pthread_mutex_unlock(&st->lock);
         free(hdr);
@@ -262,7 +299,7 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
     if (copy != NULL) {
         memcpy(copy, data, length);
     }
-    m                = &st->q[st->tail++];
+    m                = reg->keep ? &reg->kq[reg->ktail++] : &st->q[st->tail++];
     m->id            = reg->id;
     m->owned         = !keep;
     m->flags         = attr;
@@ -340,14 +377,82 @@ static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
     reg->ptail++;
 }
 
-/* Post buf for the next message of reg's id.  Returns UCS_INPROGRESS, or
- * UCS_ERR_NO_MEMORY. */
+static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
+
+static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
+                                  gpucx_slot_t *slot);
+
+/* Blocking receive: post, then progress until done or spin_ns pass. */
+static ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,
+                                       void *buf, size_t len,
+                                       gpucx_slot_t *slot, uint64_t spin_ns)
+{
+    if (gpucx_am_post(reg, buf, len, slot) != UCS_INPROGRESS) {
+        return slot->status;
+    }
+    return gpucx_wait(worker, slot, spin_ns);
+}
+
+/* Take the oldest kept message of reg into *out (state lock held); 0 when
+ * none waits. */
+static int gpucx__am_kept_pop(gpucx_am_reg_t *reg, gpucx_am_msg_t *out)
+{
+    if (reg->khead == reg->ktail) {
+        return 0;
+    }
+    *out = reg->kq[reg->khead++];
+    if (reg->khead == reg->ktail) {
+        reg->khead = reg->ktail = 0;
+    }
+    free(out->header); /* posted receives do not keep headers */
+    out->header        = NULL;
+    out->header_length = 0;
+    return 1;
+}
+
+/* Receive a kept message into a receive posted alone (lock not held):
+ * eager data is copied and given back, a rendezvous fetch starts. */
+static ucs_status_t gpucx__am_take(gpucx_am_state_t *st, gpucx_am_msg_t *m,
+                                   void *buf, size_t len, gpucx_slot_t *slot)
+{
+    void *desc;
+
+    slot->kind   = 0;
+    slot->req    = NULL;
+    slot->length = m->length;
+    if (m->length > len) {
+        gpucx_am_release(st->worker, m); /* dropped; a sender completes */
+        slot->status = UCS_ERR_MESSAGE_TRUNCATED;
+        return slot->status;
+    }
+    if (m->flags & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+        desc    = m->data;
+        m->data = NULL;
+        return gpucx_am_recv_data(st->worker, desc, buf, m->length,
+                                  UCS_MEMORY_TYPE_HOST, slot);
+    }
+    if (m->length != 0) {
+        memcpy(buf, m->data, m->length);
+    }
+    gpucx_am_release(st->worker, m);
+    slot->status = UCS_OK;
+    return UCS_OK;
+}
+
+/* Post buf for the next message of reg's id; a kept message is received at
+ * once.  Returns UCS_INPROGRESS, the status of a receive that finished at
+ * once (UCS_OK, UCS_ERR_MESSAGE_TRUNCATED), or UCS_ERR_NO_MEMORY. */
 static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                                   gpucx_slot_t *slot)
 {
     gpucx_am_state_t *st = reg->state;
+    gpucx_am_msg_t    m;
 
     pthread_mutex_lock(&st->lock);
+    if (gpucx__am_kept_pop(reg, &m)) {
+        pthread_mutex_unlock(&st->lock);
+        return gpucx__am_take(st, &m, buf, len, slot);
+    }
     if (!gpucx__am_posts_reserve(reg, 1)) {
         pthread_mutex_unlock(&st->lock);
         return UCS_ERR_NO_MEMORY;
@@ -388,7 +493,22 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
     g->slot.kind   = GPUCX_SLOT_AM_GROUP;
     g->slot.status = UCS_INPROGRESS;
     for (i = 0; i < n; i++) {
-        gpucx__am_posts_push(reg, bufs[i], lens[i], &members[i], g);
+        gpucx_am_msg_t m;
+
+        if (!gpucx__am_kept_pop(reg, &m)) {
+            gpucx__am_posts_push(reg, bufs[i], lens[i], &members[i], g);
+            continue;
+        }
+        /* A kept message: this member receives it now. */
+        members[i].status = UCS_INPROGRESS;
+        members[i].req    = NULL;
+        members[i].kind   = 0;
+        pthread_mutex_unlock(&st->lock);
+        if (!gpucx__am_member_recv(st, g, &members[i], bufs[i], lens[i],
+                                   m.data, m.length, m.flags)) {
+            gpucx_am_release(st->worker, &m);
+        }
+        pthread_mutex_lock(&st->lock);
     }
     pthread_mutex_unlock(&st->lock);
     return UCS_INPROGRESS;
@@ -441,14 +561,50 @@ static int gpucx__am_unpost(gpucx_am_reg_t *reg, gpucx_slot_t *slot)
     return found;
 }
 
-/* Cancel every receive still posted for reg's id and free the list (worker
- * close). */
+/* Keep (keep != 0) messages that find no posted receive for the next one,
+ * or stop keeping them: kept messages then move to the dispatch queue, in
+ * order, for the id's handler. */
+static void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep)
+{
+    gpucx_am_state_t *st = reg->state;
+    unsigned          i;
+
+    pthread_mutex_lock(&st->lock);
+    if (!keep) {
+        for (i = reg->khead; i < reg->ktail; i++) {
+            if (gpucx__amq_reserve(st)) {
+                st->q[st->tail++] = reg->kq[i];
+            } else {
+                st->dropped++;
+                gpucx_am_release(st->worker, &reg->kq[i]);
+            }
+        }
+        reg->khead = reg->ktail = 0;
+    }
+    reg->keep = keep;
+    pthread_mutex_unlock(&st->lock);
+}
+
+/* Messages kept for reg's id (waiting for a posted receive). */
+static unsigned gpucx_am_kept(gpucx_am_reg_t *reg)
+{
+    return reg->ktail - reg->khead;
+}
+
+/* Cancel every receive still posted for reg's id, drop the kept messages
+ * and free both lists (worker close). */
 static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
 {
     gpucx_am_state_t *st = reg->state;
     unsigned          i;
 
     pthread_mutex_lock(&st->lock);
+    for (i = reg->khead; i < reg->ktail; i++) {
+        gpucx_am_release(st->worker, &reg->kq[i]);
+    }
+    free(reg->kq);
+    reg->kq    = NULL;
+    reg->khead = reg->ktail = reg->kcap = 0;
     for (i = reg->phead; i < reg->ptail; i++) {
         reg->posts[i].slot->kind = 0;
         if (reg->posts[i].group != NULL) {

@@ -20,7 +20,10 @@ Rules:
 * A message whose id has no handler when it is dispatched (the handler was
   cleared with ``set_am_handler(id, None)`` after the message arrived) is
   **dropped with a** :class:`RuntimeWarning`.  Messages for ids that never had
-  a handler on the worker are dropped by UCX itself.
+  a handler or a posted receive on the worker are dropped by UCX itself.
+* Posted receives (:func:`am_recv_nb`) are matched in the UCX callback.  An
+  id used with them and without a handler keeps, in C, the messages that
+  find no posted receive, for the next receive posted.
 * Handlers do not nest: while a handler runs, progress made inside it (a
   blocking reply, say) queues new messages instead of dispatching them.
 * Ids ``0xFF00``..``0xFFFF`` are reserved for gpucx itself
@@ -37,7 +40,7 @@ from .._lib import ffi, lib
 from ..errors import MessageTruncatedError, UCXError, UnsupportedError, check
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
-from ..request import SPIN_NS, Request, finish, new_slot, posted
+from ..request import SPIN_NS, Request, block, finish, new_slot, posted, raise_status
 
 __all__ = [
     "AmMessage",
@@ -88,6 +91,7 @@ class _AmWorker:
         "free",
         "held",
         "enabled",
+        "recv_ids",
     )
 
     def __init__(self, worker):
@@ -105,12 +109,19 @@ class _AmWorker:
         self.free: list = []
         self.held: dict = {}
         self.enabled = "am" in worker._context.features
+        # Ids used with posted receives: without a handler, their messages
+        # that find no posted receive are kept for the next one (C side).
+        self.recv_ids: set = set()
 
 
 #: Idle message records a worker keeps for reuse.
 _POOL_MAX = 64
 _MSG_P = ffi.typeof("gpucx_am_msg_t *")
 _SLOT_P = ffi.typeof("gpucx_slot_t *")
+_NO_MEMORY = lib.UCS_ERR_NO_MEMORY
+_INPROGRESS = lib.UCS_INPROGRESS
+_OK = lib.UCS_OK
+_new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
 def attach(worker) -> None:
@@ -428,7 +439,9 @@ def _check_id(am_id) -> None:
 def set_am_handler(worker, am_id: int, handler) -> None:
     """Run ``handler(msg: AmMessage)`` for each active message sent to
     ``am_id`` (``None`` clears it; later messages for the id are dropped
-    with a warning).  Replacing a handler takes effect for the next message.
+    with a warning, or kept for posted receives once the id was used with
+    them).  Replacing a handler takes effect for the next message; messages
+    kept for posted receives go to a handler set afterwards, in order.
 
     Raises
     ------
@@ -453,9 +466,14 @@ def set_am_handler(worker, am_id: int, handler) -> None:
         # The C callback stays installed: messages already on their way are
         # dropped with a warning at dispatch rather than silently by UCX.
         am.handlers.pop(am_id, None)
+        if am_id in am.recv_ids:
+            lib.gpucx_am_set_keep(am.regs[am_id], 1)
         return
     check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
     am.handlers[am_id] = handler
+    if am_id in am.recv_ids:
+        # Kept messages move to the dispatch queue, for this handler.
+        lib.gpucx_am_set_keep(am.regs[am_id], 0)
 
 
 def _no_am():
@@ -637,6 +655,20 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
 # -- posted receives -----------------------------------------------------------
 
 
+def _recv_reg(am: _AmWorker, am_id: int):
+    """The registration of an id used with posted receives (made on first
+    use: the C callback is installed, and without a handler messages that
+    find no posted receive are kept for the next one)."""
+    reg = am.regs.get(am_id)
+    if reg is None or am_id not in am.recv_ids:
+        check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+        reg = am.regs[am_id]
+        am.recv_ids.add(am_id)
+        if am_id not in am.handlers:
+            lib.gpucx_am_set_keep(reg, 1)
+    return reg
+
+
 def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     """Post ``buf`` for the next active message sent to ``am_id``.
 
@@ -644,9 +676,12 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     in the UCX callback itself: a rendezvous payload moves straight into
     ``buf`` (zero copy) and an eager one is copied, with no Python run per
     message.  A matched message never reaches the id's handler; messages
-    that find no posted receive go to the handler as usual.  The header and
-    reply endpoint of a matched message are not kept (use a handler when you
-    need them).
+    that find no posted receive go to the handler as usual, or, when the id
+    has no handler, wait (in C, in arrival order) for the next receive
+    posted, which takes the oldest at once.  The first receive posted for an
+    id registers it: before that, UCX drops messages of an id with neither
+    handler nor receive.  The header and reply endpoint of a matched message
+    are not kept (use a handler when you need them).
 
     Returns
     -------
@@ -672,10 +707,11 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     """
     if worker._h is None:
         raise_closed(worker)
-    _check_id(am_id)
     am = worker._am
-    if not am.enabled:
-        _no_am()
+    if type(am_id) is not int or am_id not in am.recv_ids:
+        _check_id(am_id)
+        if not am.enabled:
+            _no_am()
     ptr, n, mt, keep = acquire(buf, True, stream)
     if mt != _HOST:
         raise UnsupportedError(
@@ -684,17 +720,21 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
         )
     if stream is not None:
         _cuda.prepare(worker, ptr, mt, stream, _RECV)
-    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
-    slot = new_slot()
-    st = lib.gpucx_am_post(am.regs[am_id], ptr, n, slot)
-    if st != lib.UCS_INPROGRESS:
+    slot = _new_slot()
+    st = lib.gpucx_am_post(_recv_reg(am, am_id), ptr, n, slot)
+    if st == _NO_MEMORY:
         check(st, "am_recv_nb")
+    # Pending, or finished at once with a kept message (OK or truncated).
     return Request(worker, slot, keep, _RECV, _nbytes, None, n)
 
 
 def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=None):
     """Receive the next active message sent to ``am_id`` into ``buf`` (see
     :func:`am_recv_nb`); return the payload size in bytes.
+
+    Posts and waits in one call into C.  A message that arrived before the
+    call (kept, see :func:`am_recv_nb`) is received at once, so a loop of
+    ``am_recv`` loses nothing between its calls.
 
     Raises
     ------
@@ -705,7 +745,31 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`am_recv_nb`.
     """
-    return am_recv_nb(worker, am_id, buf, stream=stream).wait(timeout)
+    h = worker._h
+    if h is None:
+        raise_closed(worker)
+    am = worker._am
+    if type(am_id) is not int or am_id not in am.recv_ids:
+        _check_id(am_id)
+        if not am.enabled:
+            _no_am()
+    ptr, n, mt, keep = acquire(buf, True, stream)
+    if mt != _HOST:
+        raise UnsupportedError(
+            "am_recv: posted receives take host memory; receive device memory "
+            "with a handler and AmMessage.receive_into"
+        )
+    if stream is not None:
+        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+    slot = _new_slot() if worker._multi else worker._sslot
+    st = lib.gpucx_am_recv_wait(h, _recv_reg(am, am_id), ptr, n, slot, SPIN_NS)
+    if st == _INPROGRESS:
+        st = block(worker, slot, timeout, keep)
+    if st != _OK:
+        if st == _NO_MEMORY:
+            check(st, "am_recv")
+        raise_status(st, _RECV, None, slot, n)
+    return slot.length
 
 
 _SLOTS = ffi.typeof("gpucx_slot_t[]")
@@ -791,10 +855,10 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         keeps.append(keep)
     if stream is not None:
         _cuda.prepare(worker, ffi.NULL, _HOST, stream, _RECV)
-    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
+    reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)
-    st = lib.gpucx_am_post_group(am.regs[am_id], group, ptrs, lens, members, n)
+    st = lib.gpucx_am_post_group(reg, group, ptrs, lens, members, n)
     if st not in (lib.UCS_INPROGRESS, lib.UCS_OK):
         check(st, "am_recv_many_nb")
     if n == 0:
