@@ -755,32 +755,6 @@ def test_worker_close_releases_kept_messages(ctx, nbytes):
     p.a.close()
 
 
-def test_a_blocking_am_recv_loop_loses_nothing_across_processes(tls):
-    from conftest import channel_pair, join_ok, spawn, transport_config
-    from peers_am import am_burst_peer
-
-    sizes = [5, 0, 70000, 1 << 20, 3, 8192, 2 << 20, 1]
-    q, theirs = channel_pair()
-    child = spawn(am_burst_peer, tls, theirs, sizes)
-    try:
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            ep = w.connect(q.get(60))
-            q.put(w.address)
-            bufs = [np.zeros(n, np.uint8) for n in sizes]
-            first = w.am_recv_nb(11, bufs[0])  # registered before the burst
-            q.put("go")
-            got = [first.wait(60)]
-            got += [w.am_recv(11, buf, timeout=60) for buf in bufs[1:]]
-            assert got == sizes
-            for i, buf in enumerate(bufs):
-                assert (buf == i % 251 + 1).all()
-            q.put("bye")
-            ep.close()
-    finally:
-        join_ok(child, 60)
-
-
 # -- receives posted together (worker.am_recv_many_nb / am_recv_many) -------------
 
 
@@ -910,7 +884,28 @@ def test_worker_close_cancels_group_receives(ctx):
     p.a.close()
 
 
-def test_group_receives_across_processes(tls):
+def _post_each(w, bufs):
+    reqs = [w.am_recv_nb(11, buf) for buf in bufs]
+    return lambda: [r.wait(60) for r in reqs]
+
+
+def _post_groups(w, bufs):
+    # Half in one group, the rest in another.
+    reqs = [w.am_recv_many_nb(11, bufs[:4]), w.am_recv_many_nb(11, bufs[4:])]
+    return lambda: reqs[0].wait(60) + reqs[1].wait(60)
+
+
+def _blocking_loop(w, bufs):
+    # One receive registers the id before the burst; the rest of the burst
+    # waits as kept messages for a loop of blocking receives.
+    first = w.am_recv_nb(11, bufs[0])
+    return lambda: [first.wait(60)] + [w.am_recv(11, b, timeout=60) for b in bufs[1:]]
+
+
+@pytest.mark.parametrize(
+    "receive", [_post_each, _post_groups, _blocking_loop], ids=lambda f: f.__name__
+)
+def test_posted_receives_across_processes(tls, receive):
     from conftest import channel_pair, join_ok, spawn, transport_config
     from peers_am import am_burst_peer
 
@@ -923,34 +918,9 @@ def test_group_receives_across_processes(tls):
             ep = w.connect(q.get(60))
             q.put(w.address)
             bufs = [np.zeros(n, np.uint8) for n in sizes]
-            # Half in one group, then the rest in another.
-            reqs = [w.am_recv_many_nb(11, bufs[:4]), w.am_recv_many_nb(11, bufs[4:])]
+            results = receive(w, bufs)
             q.put("go")
-            assert reqs[0].wait(60) + reqs[1].wait(60) == sizes
-            for i, buf in enumerate(bufs):
-                assert (buf == i % 251 + 1).all()
-            q.put("bye")
-            ep.close()
-    finally:
-        join_ok(child, 60)
-
-
-def test_posted_receives_across_processes(tls):
-    from conftest import channel_pair, join_ok, spawn, transport_config
-    from peers_am import am_burst_peer
-
-    sizes = [0, 1, 100, 8192, 65536, 1 << 20, 4 << 20, 3]
-    q, theirs = channel_pair()
-    child = spawn(am_burst_peer, tls, theirs, sizes)
-    try:
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            ep = w.connect(q.get(60))
-            q.put(w.address)
-            bufs = [np.zeros(n, np.uint8) for n in sizes]
-            reqs = [w.am_recv_nb(11, buf) for buf in bufs]
-            q.put("go")
-            assert [r.wait(60) for r in reqs] == sizes
+            assert results() == sizes
             for i, buf in enumerate(bufs):
                 assert (buf == i % 251 + 1).all()
             q.put("bye")

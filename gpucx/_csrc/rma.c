@@ -229,6 +229,33 @@ static void gpucx__notify_flush_cb(void *request, ucs_status_t status,
     }
 }
 
+/* After an op's operations are posted: with notify, post the endpoint
+ * flush whose completion sends the notification; complete the slot if
+ * nothing is pending. */
+static ucs_status_t gpucx__notify_after(gpucx_notify_op_t *op, int notify)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t    r;
+
+    if (notify) {
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+        p.cb.send      = gpucx__notify_flush_cb;
+        p.user_data    = op;
+        r = ucp_ep_flush_nbx(op->ep, &p);
+        if (UCS_PTR_IS_ERR(r)) {
+            op->error = UCS_PTR_STATUS(r);
+        } else if (r != NULL) {
+            op->pending++;
+        } else {
+            gpucx__notify_send_am(op);
+        }
+    }
+    if (op->pending == 0) {
+        op->slot.status = op->error;
+    }
+    return op->slot.status;
+}
+
 static ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
                                      uint64_t raddr, ucp_rkey_h rkey,
                                      int memory_type, const void *notify,
@@ -260,20 +287,7 @@ static ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
     if (r != NULL) {
         op->pending++;
     }
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.send      = gpucx__notify_flush_cb;
-    r = ucp_ep_flush_nbx(ep, &p);
-    if (UCS_PTR_IS_ERR(r)) {
-        op->error = UCS_PTR_STATUS(r);
-    } else if (r != NULL) {
-        op->pending++;
-    } else {
-        gpucx__notify_send_am(op);
-    }
-    if (op->pending == 0) {
-        op->slot.status = op->error;
-    }
-    return op->slot.status;
+    return gpucx__notify_after(op, 1);
 }
 
 /* ---- prepared transfers ------------------------------------------------ */
@@ -336,22 +350,7 @@ static ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
             op->pending++;
         }
     }
-    if (do_notify && op->error == UCS_OK) {
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-        p.cb.send      = gpucx__notify_flush_cb;
-        r = ucp_ep_flush_nbx(ep, &p);
-        if (UCS_PTR_IS_ERR(r)) {
-            op->error = UCS_PTR_STATUS(r);
-        } else if (r != NULL) {
-            op->pending++;
-        } else {
-            gpucx__notify_send_am(op);
-        }
-    }
-    if (op->pending == 0) {
-        op->slot.status = op->error;
-    }
-    return op->slot.status;
+    return gpucx__notify_after(op, do_notify && op->error == UCS_OK);
 }
 
 /* Blocking form: post, then progress until done or spin_ns pass. */

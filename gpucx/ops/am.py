@@ -669,6 +669,26 @@ def _recv_reg(am: _AmWorker, am_id: int):
     return reg
 
 
+def _posted_target(worker, am_id, buf, stream, what: str):
+    """Check a posted receive: ``(reg, ptr, nbytes, keepalive)``."""
+    if worker._h is None:
+        raise_closed(worker)
+    am = worker._am
+    if type(am_id) is not int or am_id not in am.recv_ids:
+        _check_id(am_id)
+        if not am.enabled:
+            _no_am()
+    ptr, n, mt, keep = acquire(buf, True, stream)
+    if mt != _HOST:
+        raise UnsupportedError(
+            f"{what}: posted receives take host memory; receive device memory "
+            "with a handler and AmMessage.receive_into"
+        )
+    if stream is not None:
+        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+    return _recv_reg(am, am_id), ptr, n, keep
+
+
 def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     """Post ``buf`` for the next active message sent to ``am_id``.
 
@@ -705,23 +725,9 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     gpucx.ClosedError
         If the worker is closed.
     """
-    if worker._h is None:
-        raise_closed(worker)
-    am = worker._am
-    if type(am_id) is not int or am_id not in am.recv_ids:
-        _check_id(am_id)
-        if not am.enabled:
-            _no_am()
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    if mt != _HOST:
-        raise UnsupportedError(
-            "am_recv_nb: posted receives take host memory; receive device memory "
-            "with a handler and AmMessage.receive_into"
-        )
-    if stream is not None:
-        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+    reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv_nb")
     slot = _new_slot()
-    st = lib.gpucx_am_post(_recv_reg(am, am_id), ptr, n, slot)
+    st = lib.gpucx_am_post(reg, ptr, n, slot)
     if st == _NO_MEMORY:
         check(st, "am_recv_nb")
     # Pending, or finished at once with a kept message (OK or truncated).
@@ -745,24 +751,9 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`am_recv_nb`.
     """
-    h = worker._h
-    if h is None:
-        raise_closed(worker)
-    am = worker._am
-    if type(am_id) is not int or am_id not in am.recv_ids:
-        _check_id(am_id)
-        if not am.enabled:
-            _no_am()
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    if mt != _HOST:
-        raise UnsupportedError(
-            "am_recv: posted receives take host memory; receive device memory "
-            "with a handler and AmMessage.receive_into"
-        )
-    if stream is not None:
-        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+    reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
     slot = _new_slot() if worker._multi else worker._sslot
-    st = lib.gpucx_am_recv_wait(h, _recv_reg(am, am_id), ptr, n, slot, SPIN_NS)
+    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, SPIN_NS)
     if st == _INPROGRESS:
         st = block(worker, slot, timeout, keep)
     if st != _OK:
