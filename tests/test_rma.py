@@ -410,73 +410,78 @@ def test_endpoint_unpack_on_closed(pair):
 # -- two processes -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("allocate", [False, True], ids=["registered", "allocated"])
-def test_put_get_across_processes(tls, allocate):
-    size = 4 << 20
+@contextlib.contextmanager
+def owner_session(tls, size, allocate=False):
+    """A peer process owning a ``size``-byte region (peers_rma.owner), and
+    this side's worker, endpoint and key to it: yields ``(q, w, ep, key)``.
+    Says "bye" and checks the peer's exit on the way out."""
+    from conftest import transport_config
+
     q, theirs = channel_pair()
     child = spawn(owner, tls, theirs, size, allocate)
     try:
-        from conftest import transport_config
-
         with gpucx.Context(config=transport_config(tls)) as ctx:
             w = ctx.create_worker()
             _, address, blob = q.get(60)
             ep = w.connect(address)
             q.put(("address", w.address))
             key = ep.unpack(blob)
-            assert key.nbytes == size
-            cases = [(0, 1), (1, 7), (4093, 4096), (1 << 20, 1 << 20), (size - 3, 3)]
-            for offset, n in cases:
-                ep.put(pattern(offset, n), key, offset)
-            ep.flush()
-            for offset, n in cases:
-                q.put(("verify", offset, pattern(offset, n).tobytes()))
-                assert q.get(60) == ("verified", True), (offset, n)
-                back = np.zeros(n, np.uint8)
-                ep.get(back, key, offset)
-                assert np.array_equal(back, pattern(offset, n))
-            with pytest.raises(ValueError, match="outside the remote region"):
-                ep.put(b"12", key, size - 1)
-            q.put(("read", size - 8, 8))
-            assert q.get(60)[1][-3:] == pattern(size - 3, 3).tobytes()
+            yield q, w, ep, key
             q.put(("bye",))
             key.close()
             ep.close(force=True)
     finally:
         join_ok(child, 60)
+
+
+def notified_puts(q, w, seeds, put_nb):
+    """Have the owner check its region when each notification of
+    ``put_nb(seed)`` (a request of a put with notify) arrives; assert it saw
+    ``pattern(seed)`` each time, notified by this side's endpoint."""
+    q.put(("notified", seeds))
+    for seed in seeds:
+        req = put_nb(seed)
+        # The owner checks its memory when the notification arrives and
+        # acks; progress until then (TCP needs the initiator's progress to
+        # move the data).
+        while not q._conn.poll(0):
+            w.progress()
+        assert q.get(5) == ("ack", seed)
+        req.wait(30)
+    kind, result = q.get(60)
+    assert [note for note, _, _ in result] == [b"seed=%d" % s for s in seeds]
+    assert all(ok for _, ok, _ in result), result
+    # Each notification named the owner's endpoint to this process.
+    assert all(same_ep for _, _, same_ep in result), result
+
+
+@pytest.mark.parametrize("allocate", [False, True], ids=["registered", "allocated"])
+def test_put_get_across_processes(tls, allocate):
+    size = 4 << 20
+    with owner_session(tls, size, allocate) as (q, w, ep, key):
+        assert key.nbytes == size
+        cases = [(0, 1), (1, 7), (4093, 4096), (1 << 20, 1 << 20), (size - 3, 3)]
+        for offset, n in cases:
+            ep.put(pattern(offset, n), key, offset)
+        ep.flush()
+        for offset, n in cases:
+            q.put(("verify", offset, pattern(offset, n).tobytes()))
+            assert q.get(60) == ("verified", True), (offset, n)
+            back = np.zeros(n, np.uint8)
+            ep.get(back, key, offset)
+            assert np.array_equal(back, pattern(offset, n))
+        with pytest.raises(ValueError, match="outside the remote region"):
+            ep.put(b"12", key, size - 1)
+        q.put(("read", size - 8, 8))
+        assert q.get(60)[1][-3:] == pattern(size - 3, 3).tobytes()
 
 
 def test_put_with_notify_across_processes(tls):
     size = 2 << 20
-    seeds = list(range(100, 106))
-    q, theirs = channel_pair()
-    child = spawn(owner, tls, theirs, size, False)
-    try:
-        from conftest import transport_config
-
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            _, address, blob = q.get(60)
-            ep = w.connect(address)
-            q.put(("address", w.address))
-            key = ep.unpack(blob)
-            q.put(("notified", seeds))
-            for seed in seeds:
-                req = ep.put_nb(pattern(seed, size), key, notify=b"seed=%d" % seed)
-                # The owner checks its memory when the notification arrives
-                # and acks; progress until then (TCP needs the initiator's
-                # progress to move the data).
-                while not q._conn.poll(0):
-                    w.progress()
-                assert q.get(5) == ("ack", seed)
-                req.wait(30)
-            kind, result = q.get(60)
-            assert [note for note, _, _ in result] == [b"seed=%d" % s for s in seeds]
-            assert all(ok for _, ok, _ in result), result
-            # Each notification named the owner's endpoint to this process.
-            assert all(same_ep for _, _, same_ep in result), result
-            q.put(("bye",))
-            key.close()
-            ep.close(force=True)
-    finally:
-        join_ok(child, 60)
+    with owner_session(tls, size) as (q, w, ep, key):
+        notified_puts(
+            q,
+            w,
+            list(range(100, 106)),
+            lambda seed: ep.put_nb(pattern(seed, size), key, notify=b"seed=%d" % seed),
+        )

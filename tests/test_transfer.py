@@ -12,9 +12,9 @@ import pytest
 import gpucx
 import gpucx.aio
 
-from conftest import channel_pair, join_ok, spawn, transport_config
-from peers_rma import owner, pattern
-from test_rma import await_note, background, exported
+from conftest import transport_config
+from peers_rma import pattern
+from test_rma import await_note, background, exported, notified_puts, owner_session
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -409,56 +409,37 @@ def test_run_timeout_when_the_target_does_not_progress():
 
 def test_transfers_across_processes(tls):
     size = 4 << 20
-    q, theirs = channel_pair()
-    child = spawn(owner, tls, theirs, size, False)
-    try:
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            _, address, blob = q.get(60)
-            ep = w.connect(address)
-            q.put(("address", w.address))
-            key = ep.unpack(blob)
-            # TCP needs the owner to progress: it serves until the next
-            # command, so run blocking calls while it does.
-            srcs = _scatter(20)
-            with ep.prepare_put(
-                [(s, key, off) for s, (off, _) in zip(srcs, LAYOUT, strict=True)]
-            ) as x:
-                x.run(timeout=60)
-            ep.flush(timeout=60)
-            want = _expected(srcs)
-            q.put(("verify", 0, want.tobytes()))
-            assert q.get(60) == ("verified", True)
-            outs = [np.zeros(n, np.uint8) for _, n in LAYOUT]
-            with ep.prepare_get(
-                [(o, key, off) for o, (off, _) in zip(outs, LAYOUT, strict=True)]
-            ) as g:
-                g.run(timeout=60)
-            for (off, n), out in zip(LAYOUT, outs, strict=True):
-                assert np.array_equal(out, want[off : off + n])
-            # Notified runs: the owner checks the whole region equals
-            # pattern(seed) when each notification arrives.
-            seeds = [200, 201, 202]
-            q.put(("notified", seeds))
-            quarter = size // 4
-            for seed in seeds:
-                src = pattern(seed, size)
-                with ep.prepare_put(
-                    [
-                        (src[i * quarter : (i + 1) * quarter], key, i * quarter)
-                        for i in (3, 1, 0, 2)
-                    ]
-                ) as x:
-                    req = x.run_nb(notify=b"seed=%d" % seed)
-                    while not q._conn.poll(0):
-                        w.progress()
-                    assert q.get(5) == ("ack", seed)
-                    req.wait(30)
-            kind, result = q.get(60)
-            assert [note for note, _, _ in result] == [b"seed=%d" % s for s in seeds]
-            assert all(ok for _, ok, _ in result), result
-            q.put(("bye",))
-            key.close()
-            ep.close(force=True)
-    finally:
-        join_ok(child, 60)
+    with owner_session(tls, size) as (q, w, ep, key):
+        # TCP needs the owner to progress: it serves until the next command,
+        # so run blocking calls while it does.
+        srcs = _scatter(20)
+        with ep.prepare_put(
+            [(s, key, off) for s, (off, _) in zip(srcs, LAYOUT, strict=True)]
+        ) as x:
+            x.run(timeout=60)
+        ep.flush(timeout=60)
+        want = _expected(srcs)
+        q.put(("verify", 0, want.tobytes()))
+        assert q.get(60) == ("verified", True)
+        outs = [np.zeros(n, np.uint8) for _, n in LAYOUT]
+        with ep.prepare_get(
+            [(o, key, off) for o, (off, _) in zip(outs, LAYOUT, strict=True)]
+        ) as g:
+            g.run(timeout=60)
+        for (off, n), out in zip(LAYOUT, outs, strict=True):
+            assert np.array_equal(out, want[off : off + n])
+        # Notified runs, the region written in four quarters out of order.
+        quarter = size // 4
+
+        def run_notified(seed):
+            src = pattern(seed, size)
+            x = ep.prepare_put(
+                [
+                    (src[i * quarter : (i + 1) * quarter], key, i * quarter)
+                    for i in (3, 1, 0, 2)
+                ]
+            )
+            # The run's request holds what it uses: x itself may go.
+            return x.run_nb(notify=b"seed=%d" % seed)
+
+        notified_puts(q, w, [200, 201, 202], run_notified)

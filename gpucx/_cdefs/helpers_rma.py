@@ -69,10 +69,6 @@ ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
                               uint64_t raddr, ucp_rkey_h rkey, int memory_type,
                               const void *notify, size_t notify_len,
                               gpucx_notify_op_t *op);
-ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
-                             const gpucx_xfer_item_t *items, size_t count,
-                             int do_notify, const void *notify,
-                             size_t notify_len, gpucx_notify_op_t *op);
 ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep, int is_get,
                             const gpucx_xfer_item_t *items, size_t count,
                             int do_notify, const void *notify,

@@ -229,6 +229,18 @@ static void gpucx__notify_flush_cb(void *request, ucs_status_t status,
     }
 }
 
+static void gpucx__notify_op_init(gpucx_notify_op_t *op, ucp_ep_h ep,
+                                  const void *notify, size_t notify_len)
+{
+    op->pending     = 0;
+    op->error       = UCS_OK;
+    op->ep          = ep;
+    op->notify      = notify;
+    op->notify_len  = notify_len;
+    op->slot.status = UCS_INPROGRESS;
+    op->slot.req    = NULL;
+}
+
 /* After an op's operations are posted: with notify, post the endpoint
  * flush whose completion sends the notification; complete the slot if
  * nothing is pending. */
@@ -264,13 +276,7 @@ static ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
     ucp_request_param_t p;
     ucs_status_ptr_t    r;
 
-    op->pending     = 0;
-    op->error       = UCS_OK;
-    op->ep          = ep;
-    op->notify      = notify;
-    op->notify_len  = notify_len;
-    op->slot.status = UCS_INPROGRESS;
-    op->slot.req    = NULL;
+    gpucx__notify_op_init(op, ep, notify, notify_len);
 
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send      = gpucx__notify_op_cb;
@@ -321,13 +327,7 @@ static ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
     ucs_status_ptr_t    r;
     size_t              i;
 
-    op->pending     = 0;
-    op->error       = UCS_OK;
-    op->ep          = ep;
-    op->notify      = notify;
-    op->notify_len  = notify_len;
-    op->slot.status = UCS_INPROGRESS;
-    op->slot.req    = NULL;
+    gpucx__notify_op_init(op, ep, notify, notify_len);
 
     p.cb.send   = gpucx__notify_op_cb;
     p.user_data = op;
@@ -353,7 +353,7 @@ static ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
     return gpucx__notify_after(op, do_notify && op->error == UCS_OK);
 }
 
-/* Blocking form: post, then progress until done or spin_ns pass. */
+/* Post, then (spin_ns > 0) progress until done or spin_ns pass. */
 static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
                                    int is_get, const gpucx_xfer_item_t *items,
                                    size_t count, int do_notify,
@@ -361,7 +361,8 @@ static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
                                    gpucx_notify_op_t *op, uint64_t spin_ns)
 {
     if (gpucx_xfer_post(ep, is_get, items, count, do_notify, notify,
-                        notify_len, op) != UCS_INPROGRESS) {
+                        notify_len, op) != UCS_INPROGRESS ||
+        spin_ns == 0) {
         return op->slot.status;
     }
     return gpucx_wait(worker, &op->slot, spin_ns);

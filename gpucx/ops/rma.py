@@ -498,8 +498,9 @@ class Transfer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self, notify, stream):
-        """Check what may have closed and get ready to post."""
+    def _post(self, notify, stream, spin_ns: int):
+        """Check what may have closed, post every entry (and progress up to
+        ``spin_ns``); returns ``(status, op, notify bytes)``."""
         if self._keep is None:
             raise ClosedError("Transfer is closed")
         ep = self.endpoint
@@ -510,16 +511,26 @@ class Transfer:
             if key._h is None:
                 raise_closed(key)
         w = ep._w
-        if notify is None:
-            note = ffi.NULL
-            nlen = 0
-        else:
-            note = _notify_bytes(notify, w)
-            nlen = len(note)
+        note = ffi.NULL if notify is None else _notify_bytes(notify, w)
         cu = (self._cuda_ptr is not None or stream is not None) and _cuda.prepare(
             w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind
         )
-        return h, w, note, nlen, cu
+        op = ffi.new(_OP)
+        st = lib.gpucx_xfer_run(
+            w._h,
+            h,
+            self._is_get,
+            self._items,
+            self._count,
+            notify is not None,
+            note,
+            0 if notify is None else len(note),
+            op,
+            spin_ns,
+        )
+        if cu:
+            _cuda.leave(cu)
+        return st, op, note
 
     def run_nb(self, *, notify=None, stream=None) -> Request:
         """Post every entry; return one request for all of them.
@@ -549,28 +560,14 @@ class Transfer:
             ``notify`` without the ``"am"`` feature, or a ``stream`` without
             a CUDA driver.
         """
-        op = ffi.new(_OP)
-        h, w, note, nlen, cu = self._start(notify, stream)
-        st = lib.gpucx_xfer_post(
-            h,
-            self._is_get,
-            self._items,
-            self._count,
-            notify is not None,
-            note,
-            nlen,
-            op,
-        )
-        if cu:
-            _cuda.leave(cu)
+        st, op, note = self._post(notify, stream, 0)
         if st == 0:
             return _new_settled(_Settled)
-        what = f"{self.kind} transfer"
         return Request(
-            w,
+            self.endpoint._w,
             ffi.addressof(op, "slot"),
             (self._keep, self._keys, op, note),
-            what,
+            f"{self.kind} transfer",
             None,
             self.endpoint,
         )
@@ -589,30 +586,14 @@ class Transfer:
         gpucx.ClosedError, ValueError, gpucx.UnsupportedError
             As for :meth:`run_nb`, before anything is posted.
         """
-        op = ffi.new(_OP)
-        h, w, note, nlen, cu = self._start(notify, stream)
-        st = lib.gpucx_xfer_run(
-            w._h,
-            h,
-            self._is_get,
-            self._items,
-            self._count,
-            notify is not None,
-            note,
-            nlen,
-            op,
-            SPIN_NS,
-        )
-        if cu:
-            _cuda.leave(cu)
+        st, op, note = self._post(notify, stream, SPIN_NS)
         if st:
-            what = f"{self.kind} transfer"
             finish(
-                w,
+                self.endpoint._w,
                 ffi.addressof(op, "slot"),
                 st,
                 timeout,
-                what,
+                f"{self.kind} transfer",
                 self.endpoint,
                 (self._keep, self._keys, op, note),
             )
