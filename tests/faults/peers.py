@@ -25,6 +25,9 @@ BIG = 16 << 20
 REGION = 16 << 20
 #: The active-message id of the tests.
 AM_ID = 7
+#: An id the survivor uses with posted receives only (no handler): the
+#: peer's message to it waits there as a kept message.
+KEEP_ID = 8
 
 _mp = mp.get_context("forkserver")
 _mp.set_forkserver_preload(["numpy", "gpucx", "conftest", "faults.peers"])
@@ -76,8 +79,10 @@ def _main(chan: Channel, role: str, tls: str, via_listener: bool) -> None:
         ep.send(buf, tag=2)
         chan.put(region.remote().to_bytes())
         req = None
-        if role == "am_rndv":  # an AM the survivor receives into, later
-            req = ep.am_send_nb(AM_ID, np.ones(BIG, np.uint8), proto="rndv", reply=True)
+        if role in ("am_rndv", "am_keep"):  # an AM the survivor receives later
+            am_id = AM_ID if role == "am_rndv" else KEEP_ID
+            data = np.ones(BIG, np.uint8)
+            req = ep.am_send_nb(am_id, data, proto="rndv", reply=role == "am_rndv")
             while not chan.poll():  # until the survivor has the header
                 w.progress()
         elif role == "tag_rndv":  # a rendezvous send the survivor matches

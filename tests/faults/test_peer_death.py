@@ -18,7 +18,7 @@ import pytest
 
 import gpucx
 
-from .peers import AM_ID, BIG, handshake, kill, serve_new_peer, started
+from .peers import AM_ID, BIG, KEEP_ID, handshake, kill, serve_new_peer, started
 from conftest import transport_config
 
 #: Longest a pending operation may take to fail once its peer is dead.
@@ -122,6 +122,24 @@ def case_am_recv_posted(w, ep, remote, proc, msgs, chan):
     _ends_at_deadline(w, ep, proc, w.am_recv_nb(AM_ID, bytearray(64)))
 
 
+def case_am_recv_kept(w, ep, remote, proc, msgs, chan):
+    # The peer's rendezvous AM waits as a kept message (KEEP_ID has posted
+    # receives and no handler); the peer dies before it is received: the
+    # receive that takes it fails, it does not hang.
+    from gpucx._lib import lib
+
+    reg = w._am.regs[KEEP_ID]
+    end = time.monotonic() + BOUND_S
+    while lib.gpucx_am_kept(reg) == 0:
+        assert time.monotonic() < end, "the peer's active message never came"
+        w.progress()
+    chan.put("got it")
+    kill(proc)
+    # (PeerError over TCP; over shared memory UCX cancels the fetch.)
+    with pytest.raises((gpucx.PeerError, gpucx.CanceledError)):
+        w.am_recv(KEEP_ID, np.empty(BIG, np.uint8), timeout=3.0)
+
+
 def case_am_recv_group(w, ep, remote, proc, msgs, chan):
     # The same for receives posted together: the group ends at the deadline.
     bufs = [bytearray(64) for _ in range(4)]
@@ -212,6 +230,7 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
     case = CASES[op]
     role = {
         "am_receive_into": "am_rndv",
+        "am_recv_kept": "am_keep",
         "atomic": "amo",
         "tag_recv_matched": "tag_rndv",
     }.get(op, "idle")
@@ -219,6 +238,10 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
         w = ctx.create_worker(thread_mode)
         msgs: list = []
         w.set_am_handler(AM_ID, msgs.append)
+        reg = w.am_recv_nb(KEEP_ID, bytearray(1))  # registers the id
+        reg.cancel()
+        with pytest.raises(gpucx.CanceledError):
+            reg.wait(1)
         for _ in range(rounds):
             with started(role, tls) as (proc, chan):
                 ep, remote = handshake(w, chan, error_handling=op != "atomic")
