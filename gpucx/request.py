@@ -336,7 +336,10 @@ class Request:
         if w._h is None:
             return False
         w._suspects.pop(self, None)  # canceled by the user, not a death
-        lib.gpucx_slot_cancel(w._h, self._slot)
+        if lib.gpucx_slot_cancel(w._h, self._slot) != INPROGRESS:
+            # Canceled on the spot (a receive no message matched yet):
+            # settle now rather than stay tracked until someone looks.
+            self._complete()
         return True
 
     @property

@@ -602,6 +602,8 @@ def test_posted_receive_cancel_and_timeout_lose_nothing(pair):
     handled = collect(pair.b, 15)
     req = pair.b.am_recv_nb(15, bytearray(4))
     assert req.cancel()
+    assert req.done() and req not in pair.b._pending  # settled at once
+    assert not req.cancel()
     with pytest.raises(gpucx.CanceledError):
         req.wait(5)
     with pytest.raises(gpucx.TimeoutError):

@@ -238,10 +238,7 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
         w = ctx.create_worker(thread_mode)
         msgs: list = []
         w.set_am_handler(AM_ID, msgs.append)
-        reg = w.am_recv_nb(KEEP_ID, bytearray(1))  # registers the id
-        reg.cancel()
-        with pytest.raises(gpucx.CanceledError):
-            reg.wait(1)
+        w.am_recv_nb(KEEP_ID, bytearray(1)).cancel()  # registers the id
         for _ in range(rounds):
             with started(role, tls) as (proc, chan):
                 ep, remote = handshake(w, chan, error_handling=op != "atomic")
