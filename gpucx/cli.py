@@ -103,7 +103,8 @@ def _bench_parser(sub) -> None:
         "-m",
         "--memory",
         default="host",
-        help="host, cuda, or CLIENT:SERVER such as host:cuda",
+        help="host (NumPy), ucx (host memory mapped by UCX, as ucx_perftest "
+        "uses), cuda, or CLIENT:SERVER such as host:cuda",
     )
     p.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     p.add_argument(

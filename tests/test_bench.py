@@ -104,8 +104,10 @@ def test_format_size():
 def test_parse_memory():
     assert parse_memory("host") == ("host", "host")
     assert parse_memory("host:CUDA") == ("host", "cuda")
+    assert parse_memory("ucx") == ("ucx", "ucx")
+    assert parse_memory("ucx:host") == ("ucx", "host")
     for bad in ("gpu", "host:cuda:host", ""):
-        with pytest.raises(BenchSetupError, match="bad --memory"):
+        with pytest.raises(BenchSetupError, match="bad --memory .*ucx"):
             parse_memory(bad)
 
 
@@ -113,6 +115,20 @@ def test_alloc_host():
     a = alloc("host", 100, fill=3)
     assert a.nbytes == 100 and a.dtype == np.uint8 and int(a.sum()) == 300
     assert alloc("host", 0).nbytes == 0
+    with pytest.raises(BenchSetupError, match="bad --memory kind"):
+        alloc("gpu", 10)
+
+
+def test_alloc_ucx_maps_with_the_context():
+    with gpucx.Context() as ctx:
+        a = alloc("ucx", 4096, fill=5, ctx=ctx)
+        assert a.nbytes == 4096 and int(a.sum()) == 5 * 4096
+        assert alloc("ucx", 0, ctx=ctx).nbytes == 0
+        # The buffer is UCX-mapped memory: a region of ctx holds it.
+        regions = [r for r in ctx._children if isinstance(r, gpucx.MemoryRegion)]
+        assert any(r.address == a.ctypes.data for r in regions)
+    with pytest.raises(BenchSetupError, match="no gpucx.Context"):
+        alloc("ucx", 10)
 
 
 # -- planning ------------------------------------------------------------------------
@@ -414,6 +430,29 @@ def test_run_bench_other_areas(name):
             iters=20,
             warmup=2,
             window=4,
+            progress=False,
+            error_handling=name != "fadd_lat",
+        )
+    )
+    assert doc["results"] and all(r["bandwidth_gbs"] > 0 for r in doc["results"])
+
+
+@pytest.mark.parametrize(
+    ("name", "memory"),
+    [(t, ("ucx", "ucx")) for t in sorted(TESTS)]
+    + [("put_bw", ("host", "ucx")), ("am_bw", ("ucx", "host"))],
+)
+def test_run_bench_with_ucx_mapped_memory(name, memory):
+    """``-m ucx``: host buffers mapped by UCX, as ucx_perftest's, on either
+    side; every test runs end to end."""
+    doc = run_bench(
+        BenchOptions(
+            tests=(name,),
+            sizes=(8, 65536),
+            iters=20,
+            warmup=2,
+            window=4,
+            memory=memory,
             progress=False,
             error_handling=name != "fadd_lat",
         )

@@ -1,4 +1,5 @@
-"""Buffers for the benchmark: host (NumPy) or CUDA (CuPy) memory."""
+"""Buffers for the benchmark: host memory (a NumPy array, or memory mapped
+by UCX as ``ucx_perftest`` uses) or CUDA (CuPy) memory."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ import numpy
 
 __all__ = ["MEMORY_KINDS", "BenchSetupError", "parse_memory", "cuda_problem", "alloc"]
 
-MEMORY_KINDS = ("host", "cuda")
+#: ``host``: NumPy arrays (huge pages from 4 MiB on, where the kernel
+#: allows); ``ucx``: host memory mapped by UCX (``Context.allocate``), the
+#: kind ``ucx_perftest`` uses; ``cuda``: CuPy arrays.
+MEMORY_KINDS = ("host", "ucx", "cuda")
+
+#: Regions behind ``ucx`` buffers: NumPy views do not keep a region alive,
+#: so they are held here (dropped once their context closed).
+_MAPPED: list = []
 
 
 class BenchSetupError(Exception):
@@ -22,14 +30,15 @@ def parse_memory(text: str) -> tuple[str, str]:
     Raises
     ------
     BenchSetupError
-        For a kind other than ``host`` or ``cuda``, or more than two.
+        For a kind other than ``host``, ``ucx`` or ``cuda``, or more than two.
     """
     parts = [p.strip().lower() for p in text.split(":")]
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or any(p not in MEMORY_KINDS for p in parts):
         raise BenchSetupError(
-            f"bad --memory {text!r}: use host, cuda, or CLIENT:SERVER such as host:cuda"
+            f"bad --memory {text!r}: use host, ucx, cuda, or CLIENT:SERVER such as "
+            "host:cuda"
         )
     return parts[0], parts[1]
 
@@ -57,18 +66,31 @@ def cuda_problem(device: int = 0) -> str | None:
     return None
 
 
-def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0):
+def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None):
     """A contiguous ``uint8`` array of ``nbytes`` in ``kind`` memory.
+
+    For ``ucx`` memory, ``ctx`` (a :class:`gpucx.Context`) maps it; the
+    region stays mapped until the context closes.
 
     Raises
     ------
     BenchSetupError
-        If CUDA is asked for and unavailable.
+        If CUDA is asked for and unavailable, or ``ucx`` memory without
+        ``ctx``.
     """
     if kind not in MEMORY_KINDS:
-        raise BenchSetupError(f"bad --memory kind {kind!r}: use host or cuda")
+        raise BenchSetupError(f"bad --memory kind {kind!r}: use host, ucx or cuda")
     if kind == "host":
         arr = numpy.empty(max(nbytes, 1), numpy.uint8)[:nbytes]
+        arr.fill(fill)
+        return arr
+    if kind == "ucx":
+        if ctx is None:
+            raise BenchSetupError("--memory ucx: no gpucx.Context to map it with")
+        region = ctx.allocate(max(nbytes, 1))
+        _MAPPED[:] = [r for r in _MAPPED if not r.closed]
+        _MAPPED.append(region)  # unmapped when ctx closes, not when collected
+        arr = region.as_array(numpy.uint8)[:nbytes]
         arr.fill(fill)
         return arr
     problem = cuda_problem(device)

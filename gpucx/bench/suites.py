@@ -98,7 +98,7 @@ class Params:
             if name in d and d[name] not in MEMORY_KINDS:
                 raise ValueError(
                     f"params: bad --memory kind {quote(d[name])} for {name}: "
-                    "use host or cuda"
+                    "use host, ucx or cuda"
                 )
         if "use_async" in d and not isinstance(d["use_async"], bool):
             raise ValueError(
@@ -195,7 +195,7 @@ class Bench:
 
     # helpers
     def buffer(self, fill: int = 0):
-        return alloc(self.mem, self.p.size, self.s.device, fill)
+        return alloc(self.mem, self.p.size, self.s.device, fill, self.s.ctx)
 
     def ack_send(self) -> None:
         self.s.ep.send(numpy.zeros(1, numpy.uint64), tag=ACK_TAG)
@@ -443,7 +443,7 @@ class AmBw(_AmBase):
     def prepare(self) -> dict:
         self.rbuf = self.buffer()
         self.posted: list = []
-        if self.mem == "host":
+        if self.mem != "cuda":
             # Receives posted ahead (worker.am_recv_many_nb: one call, one
             # request per phase), matched in the UCX callback: no Python per
             # message, as ucx_perftest receives in its callback.  Posted
@@ -457,7 +457,7 @@ class AmBw(_AmBase):
         return [self.s.worker.am_recv_many_nb(AM_ID, [self.rbuf] * n)] if n else []
 
     def serve(self) -> None:
-        if self.mem != "host":
+        if self.mem == "cuda":
             for n in (self.p.warmup, self.p.iters):
                 for _ in range(n):
                     self._take()
