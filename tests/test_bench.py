@@ -419,32 +419,16 @@ def test_run_bench_tag_tests(tls, use_async):
     assert doc["environment"]["tls"] == (BENCH_TLS[tls] or "default")
 
 
-@pytest.mark.parametrize("name", sorted(set(TESTS) - {"tag_lat", "tag_bw"}))
-def test_run_bench_other_areas(name):
-    """The am/stream/rma/atomic/array tests run end to end (atomics need
-    endpoints without peer error handling)."""
-    doc = run_bench(
-        BenchOptions(
-            tests=(name,),
-            sizes=(8, 65536),
-            iters=20,
-            warmup=2,
-            window=4,
-            progress=False,
-            error_handling=name != "fadd_lat",
-        )
-    )
-    assert doc["results"] and all(r["bandwidth_gbs"] > 0 for r in doc["results"])
-
-
 @pytest.mark.parametrize(
     ("name", "memory"),
-    [(t, ("ucx", "ucx")) for t in sorted(TESTS)]
+    [(t, ("host", "host")) for t in sorted(set(TESTS) - {"tag_lat", "tag_bw"})]
+    + [(t, ("ucx", "ucx")) for t in sorted(TESTS)]
     + [("put_bw", ("host", "ucx")), ("am_bw", ("ucx", "host"))],
 )
-def test_run_bench_with_ucx_mapped_memory(name, memory):
-    """``-m ucx``: host buffers mapped by UCX, as ucx_perftest's, on either
-    side; every test runs end to end."""
+def test_run_bench_other_areas(name, memory):
+    """The am/stream/rma/atomic/array tests run end to end (atomics need
+    endpoints without peer error handling); with ``-m ucx`` (host buffers
+    mapped by UCX, as ucx_perftest's, on either side) every test does."""
     doc = run_bench(
         BenchOptions(
             tests=(name,),
