@@ -4,13 +4,16 @@ The public names; everything else is internal.  See the user guide in
 ``docs/`` and the contract in ``DESIGN.md``.
 """
 
+from ._bounds import QueueStats
 from ._lib import UCX_VERSION
 from ._version import __version__
 from .context import Context
 from .endpoint import Endpoint
 from .errors import (
+    AlreadyReceivedError,
     CanceledError,
     ClosedError,
+    DroppedMessagesWarning,
     InvalidAddressError,
     MessageTruncatedError,
     PeerError,
@@ -51,4 +54,7 @@ __all__ = [
     "TimeoutError",
     "UnsupportedError",
     "InvalidAddressError",
+    "AlreadyReceivedError",
+    "DroppedMessagesWarning",
+    "QueueStats",
 ]

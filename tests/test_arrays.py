@@ -12,6 +12,8 @@ import gpucx
 from gpucx.ops import am as _am
 from gpucx.ops import arrays as _arrays
 
+from conftest import Pair
+
 pytestmark = pytest.mark.timeout(120)
 
 DTYPES = [
@@ -358,10 +360,13 @@ def test_max_bytes_keyword_overrides_context_option():
         assert seen == ["ok"]
 
 
-def test_max_bytes_default_is_unlimited(pair):
-    assert pair.ctx._max_array_bytes == 0
+def test_max_bytes_default_is_4_gib_and_zero_is_unlimited(pair):
+    assert pair.ctx._max_array_bytes == 4 << 30
     arr = np.arange(1 << 20, dtype=np.int64)
     assert np.array_equal(transfer(pair, arr), arr)
+    with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": 0}) as ctx:
+        p = Pair(ctx)
+        assert np.array_equal(transfer(p, arr), arr)
 
 
 def test_max_bytes_refuses_a_malformed_header_first_by_size(pair):

@@ -221,7 +221,7 @@ def test_notify_handler_exception_reaches_progress_and_removal(pair):
     pair.drive(pair.ab.put_nb(b"x", key, notify=b"first"))
     pair.drive(pair.ab.put_nb(b"y", key, notify=b"second"))
     end = time.monotonic() + 10
-    while pair.b._notify_q.count < 2 and time.monotonic() < end:
+    while pair.b.stats()["notify"].count < 2 and time.monotonic() < end:
         pair.a.progress()
         pair.b.progress()
     pair.b.set_notify_handler(boom)

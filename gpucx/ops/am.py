@@ -35,12 +35,19 @@ from __future__ import annotations
 import functools
 import warnings
 
+from .. import _bounds
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import MessageTruncatedError, UCXError, UnsupportedError, check
+from ..errors import (
+    AlreadyReceivedError,
+    MessageTruncatedError,
+    UCXError,
+    UnsupportedError,
+    check,
+)
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
-from ..request import SPIN_NS, Request, block, finish, new_slot, posted, raise_status
+from ..request import Request, block, finish, new_slot, posted, raise_status
 
 __all__ = [
     "AmMessage",
@@ -92,11 +99,19 @@ class _AmWorker:
         "held",
         "enabled",
         "recv_ids",
+        "array_stats",
+        "drops_seen",
+        "warn_at",
     )
 
     def __init__(self, worker):
+        ctx = worker._context
         self.state = ffi.new("gpucx_am_state_t *")
-        lib.gpucx_am_init(self.state, worker._h)
+        kept, queue = _bounds.caps(ctx, "am_kept"), _bounds.caps(ctx, "am_queue")
+        lib.gpucx_am_init(self.state, worker._h, ffi.new("size_t[4]", kept + queue))
+        self.array_stats = _bounds.ArrayQueueStats(*_bounds.caps(ctx, "arrays"))
+        self.drops_seen = 0  # state.drops when drops were last looked at
+        self.warn_at = 0.0  # no drop warning before this time.monotonic()
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
         self.handlers: dict = {}  # am_id -> callable
         self.live = [worker._h]  # set to None when the worker is destroyed
@@ -316,15 +331,18 @@ class AmMessage:
         Raises
         ------
         ValueError
-            For a rendezvous message (use :meth:`receive_into`) or one whose
-            payload was already received.
+            For a rendezvous message (use :meth:`receive_into`).
+        gpucx.AlreadyReceivedError
+            If the payload was already received.
         """
         if self.is_rndv:
             raise ValueError(
                 "a rendezvous active message has no data yet: use receive_into(buf)"
             )
         if self._taken:
-            raise ValueError("the payload of this message was already received")
+            raise AlreadyReceivedError(
+                "the payload of this message was already received"
+            )
         desc = self._desc
         if desc is None:
             # From now on the last view (not the message) recycles the record.
@@ -351,7 +369,7 @@ class AmMessage:
         ------
         gpucx.MessageTruncatedError
             If ``buf`` is smaller than the payload.
-        RuntimeError
+        gpucx.AlreadyReceivedError
             If the payload was already received.
         BufferError
             If ``buf`` is read-only or not contiguous.
@@ -365,7 +383,9 @@ class AmMessage:
         if w._h is None:
             raise_closed(w)
         if self._taken:
-            raise RuntimeError("the payload of this message was already received")
+            raise AlreadyReceivedError(
+                "the payload of this message was already received"
+            )
         ptr, n, mt, keep = acquire(buf, True, stream)
         nbytes = self.nbytes
         if n < nbytes:
@@ -601,7 +621,7 @@ def am_send(
     )
     slot = new_slot() if w._multi else w._sslot
     st = lib.gpucx_am_send_wait(
-        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, SPIN_NS
+        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
     )
     if cu:
         _cuda.leave(cu)
@@ -753,7 +773,7 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     """
     reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
     slot = _new_slot() if worker._multi else worker._sslot
-    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, SPIN_NS)
+    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, worker._spin_ns)
     if st == _INPROGRESS:
         st = block(worker, slot, timeout, keep)
     if st != _OK:

@@ -17,7 +17,7 @@ from .._lib import ffi, lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.remote import RemoteKey
-from ..request import INPROGRESS, SPIN_NS, Request, block, raise_status
+from ..request import INPROGRESS, Request, block, raise_status
 
 __all__ = [
     "atomic_add",
@@ -82,7 +82,7 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
         _cuda.prepare(w, 0, _HOST, stream, what)
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic_wait(
-        w._h, h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo, SPIN_NS
+        w._h, h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo, w._spin_ns
     )
     if st:
         if st == INPROGRESS:
