@@ -256,3 +256,82 @@ def test_caps_default_and_zero_means_no_limit():
 def test_cap_options_are_checked(key, value):
     with pytest.raises(ValueError, match=key):
         gpucx.Context(config={key: value})
+
+
+# -- C queues shared between a ProgressThread and the application ---------------
+
+
+def test_notifications_pushed_by_a_progress_thread_and_popped_concurrently():
+    """The notification queue is locked: a ProgressThread pushing while
+    two application threads pop loses and repeats nothing."""
+    import threading
+
+    from gpucx.aio import ProgressThread
+
+    n = 3000
+    with _ctx(notify_max_count=0, notify_max_bytes=0) as ctx:
+        a = ctx.create_worker()
+        b = ctx.create_worker("multi")
+        ab = a.connect(b.address)
+        got: list = []
+        done = threading.Event()
+
+        def take():
+            while not done.is_set() or b.stats()["notify"].count:
+                got.extend(_rma._pop_notification(b) or () for _ in range(8))
+
+        with ProgressThread(b):
+            takers = [threading.Thread(target=take) for _ in range(2)]
+            for t in takers:
+                t.start()
+            for k in range(0, n, 100):
+                a_reqs = [
+                    _am.send_internal_nb(ab, _rma.NOTIFY_AM_ID, j.to_bytes(4, "little"))
+                    for j in range(k, k + 100)
+                ]
+                for r in a_reqs:
+                    r.wait(10)
+            end = time.monotonic() + 20
+            while b.stats()["notify"].count + len([g for g in got if g]) < n:
+                a.progress()
+                time.sleep(0.001)
+                assert time.monotonic() < end
+            done.set()
+            for t in takers:
+                t.join(10)
+        notes = sorted(int.from_bytes(g[1], "little") for g in got if g)
+        assert notes == list(range(n))
+        assert b.stats()["notify"].count == 0
+
+
+def test_listener_ring_filled_by_a_progress_thread_and_drained_by_two_threads():
+    """Connection requests pushed by a ProgressThread and accepted by two
+    threads at once: each accepted exactly once."""
+    import threading
+
+    from gpucx.aio import ProgressThread
+
+    n = 12
+    with gpucx.Context(config={"TLS": "tcp"}) as ctx:
+        server = ctx.create_worker("multi")
+        lst = server.listen(host="127.0.0.1")
+        accepted: list = []
+
+        def accept(k):
+            for _ in range(k):
+                accepted.append(lst.accept(timeout=20))
+
+        with ProgressThread(server):
+            takers = [threading.Thread(target=accept, args=(n // 2,)) for _ in range(2)]
+            for t in takers:
+                t.start()
+            clients = [ctx.create_worker() for _ in range(n)]
+            eps = [c.connect(("127.0.0.1", lst.port)) for c in clients]  # noqa: F841
+            end = time.monotonic() + 20
+            while any(t.is_alive() for t in takers):
+                for c in clients:
+                    c.progress()
+                assert time.monotonic() < end
+        assert len(accepted) == n and len({id(e) for e in accepted}) == n
+        for e in accepted:
+            e.close(force=True)
