@@ -335,3 +335,17 @@ def test_listener_ring_filled_by_a_progress_thread_and_drained_by_two_threads():
         assert len(accepted) == n and len({id(e) for e in accepted}) == n
         for e in accepted:
             e.close(force=True)
+
+
+def test_messages_of_a_cleared_handler_warn_once_per_id():
+    with _ctx() as ctx:
+        p = Pair(ctx)
+        p.b.set_am_handler(12, lambda m: None)
+        p.b.set_am_handler(12, None)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            p.drive(*[p.ab.am_send_nb(12, bytes(k + 1)) for k in range(50)])
+            for _ in range(50):
+                p.b.progress()
+        noted = [r for r in record if "no handler is set" in str(r.message)]
+        assert len(noted) == 1

@@ -19,8 +19,9 @@ Rules:
   dispatched by the next progress.
 * A message whose id has no handler when it is dispatched (the handler was
   cleared with ``set_am_handler(id, None)`` after the message arrived) is
-  **dropped with a** :class:`RuntimeWarning`.  Messages for ids that never had
-  a handler or a posted receive on the worker are dropped by UCX itself.
+  **dropped with a** :class:`RuntimeWarning` (the first of each id only).
+  Messages for ids that never had a handler or a posted receive on the
+  worker are dropped by UCX itself.
 * Posted receives (:func:`am_recv_nb`) are matched in the UCX callback.  An
   id used with them and without a handler keeps, in C, the messages that
   find no posted receive, for the next receive posted.
@@ -102,6 +103,7 @@ class _AmWorker:
         "array_stats",
         "drops_seen",
         "warn_at",
+        "unhandled",
     )
 
     def __init__(self, worker):
@@ -112,6 +114,7 @@ class _AmWorker:
         self.array_stats = _bounds.ArrayQueueStats(*_bounds.caps(ctx, "arrays"))
         self.drops_seen = 0  # state.drops when drops were last looked at
         self.warn_at = 0.0  # no drop warning before this time.monotonic()
+        self.unhandled: set = set()  # ids warned about having no handler
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
         self.handlers: dict = {}  # am_id -> callable
         self.live = [worker._h]  # set to None when the worker is destroyed
@@ -227,12 +230,17 @@ def dispatch(worker) -> None:
             msg = AmMessage(worker, pair, am)
             handler = handlers.get(msg.am_id)
             if handler is None:
-                warnings.warn(
-                    f"gpucx: active message id {msg.am_id} ({msg.nbytes} bytes) "
-                    "dropped: no handler is set for it",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                # Once per id: a peer sending many must not make as many
+                # warnings.
+                if msg.am_id not in am.unhandled:
+                    am.unhandled.add(msg.am_id)
+                    warnings.warn(
+                        f"gpucx: active message id {msg.am_id} ({msg.nbytes} "
+                        "bytes) dropped: no handler is set for it (later "
+                        "messages of this id are dropped without a warning)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 msg._drop()
                 continue
             handler(msg)
