@@ -12,8 +12,9 @@ Four queues fill with what peers send, without the application asking:
     Put-with-notify notifications not yet taken (in C; anyone may send to
     the reserved id).
 ``arrays``
-    ``send_array`` messages waiting for ``recv_array`` (Python, per sender;
-    the caps apply to each sender's queue, the counters add them up).
+    ``send_array`` messages waiting for ``recv_array`` (Python, one queue
+    per sender; the caps apply to all senders together, so that peers
+    connecting again and again cannot multiply them).
 
 Each has a count cap and a byte cap (``GPUCX_*`` context options, see
 :data:`CAPS`).  Bytes are what a message holds here: its header and eager
@@ -86,7 +87,7 @@ def _from_c(q) -> QueueStats:
 
 
 class ArrayQueueStats:
-    """The Python-side counters of the per-sender array queues."""
+    """The Python-side counters of the array queues (all senders)."""
 
     __slots__ = ("count", "bytes", "dropped", "dropped_bytes", "max_count", "max_bytes")
 

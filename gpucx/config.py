@@ -60,8 +60,8 @@ GPUCX_OPTIONS: dict[str, float] = {
     # Put-with-notify notifications not yet taken.
     "NOTIFY_MAX_COUNT": 16384.0,
     "NOTIFY_MAX_BYTES": float(16 * _MiB),
-    # Arrays (send_array) waiting for recv_array, per sender.
-    "ARRAY_QUEUE_MAX_COUNT": 1024.0,
+    # Arrays (send_array) waiting for recv_array, all senders together.
+    "ARRAY_QUEUE_MAX_COUNT": 4096.0,
     "ARRAY_QUEUE_MAX_BYTES": float(64 * _MiB),
 }
 #: gpucx options whose value must be a whole number.

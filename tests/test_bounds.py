@@ -2,7 +2,7 @@
 "Bounded queues").
 
 Every queue a peer fills without the application's help -- kept active
-messages, the put-with-notify queue, the per-sender array queues and the
+messages, the put-with-notify queue, the array queues and the
 handler queue of a worker progressed by a ``ProgressThread`` -- has a count
 and a byte cap (``GPUCX_*`` options).  Past a cap messages are dropped and
 counted in ``Worker.stats()``, one warning is raised (not one per message),
@@ -154,24 +154,37 @@ def test_array_queue_stops_at_the_count_cap():
         assert p.b.stats()["arrays"].count == 0
 
 
-def test_array_queue_stops_at_the_byte_cap_per_sender():
+def test_array_queue_byte_cap_is_shared_by_senders():
+    """The array caps bound all senders together: a peer cannot multiply
+    them by connecting again and again."""
     with _ctx(array_queue_max_bytes=1000) as ctx:
-        p = Pair(ctx)
-        c = ctx.create_worker()
-        cb = c.connect(p.b.address)
+        recv = ctx.create_worker()
+        s1, s2 = ctx.create_worker(), ctx.create_worker()
+        e1, e2 = s1.connect(recv.address), s2.connect(recv.address)
+        r1, r2 = recv.connect(s1.address), recv.connect(s2.address)
+
+        def settle(reqs, count):
+            end = time.monotonic() + 10
+            while not all(x.done() for x in reqs) or (
+                recv.stats()["arrays"].count + recv.stats()["arrays"].dropped < count
+            ):
+                for w in (s1, s2, recv):
+                    w.progress()
+                assert time.monotonic() < end
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", gpucx.DroppedMessagesWarning)
-            p.drive(*[p.ab.send_array_nb(np.zeros(300, np.uint8)) for _ in range(5)])
-            r = [cb.send_array_nb(np.ones(300, np.uint8)) for _ in range(2)]
-            end = time.monotonic() + 10
-            while not all(x.done() for x in r) or p.b.stats()["arrays"].count < 5:
-                c.progress()
-                p.b.progress()
-                assert time.monotonic() < end
-        s = p.b.stats()["arrays"]
-        # Three of a's arrays fit (+ headers), both of c's: caps are per sender.
-        assert (s.count, s.dropped) == (5, 2)
-        c.close()
+            # 300 bytes + a 20-byte header each: three fit in 1000 bytes.
+            settle([e1.send_array_nb(np.full(300, 1, np.uint8)) for _ in range(2)], 2)
+            settle([e2.send_array_nb(np.full(300, 2, np.uint8)) for _ in range(2)], 4)
+            s = recv.stats()["arrays"]
+            assert (s.count, s.bytes, s.dropped) == (3, 960, 1)
+            # Taking s1's arrays frees room for s2's next one.
+            assert [int(r1.recv_array(timeout=5)[0]) for _ in range(2)] == [1, 1]
+            settle([e2.send_array_nb(np.full(300, 3, np.uint8))], 3)
+        got = [int(r2.recv_array(timeout=5)[0]) for _ in range(2)]
+        assert got == [2, 3]
+        assert recv.stats()["arrays"].count == 0
 
 
 def test_handler_queue_of_a_progress_thread_worker_is_capped():

@@ -236,16 +236,6 @@ def send_array_nb(ep, arr, *, proto=None, stream=None):
     return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream)
 
 
-class _SenderQueue(deque):
-    """The array messages of one sender, with the bytes they hold here."""
-
-    __slots__ = ("nbytes",)
-
-    def __init__(self):
-        super().__init__()
-        self.nbytes = 0
-
-
 def _charge(msg) -> int:
     """Bytes an array message holds here: header and eager payload."""
     return len(msg.header) + (0 if msg.is_rndv else msg.nbytes)
@@ -253,7 +243,8 @@ def _charge(msg) -> int:
 
 def _on_array(msg) -> None:
     """Internal AM handler: queue the message by its sender's endpoint,
-    within the per-sender caps (``GPUCX_ARRAY_QUEUE_MAX_*``)."""
+    within the caps of all array queues together
+    (``GPUCX_ARRAY_QUEUE_MAX_*``)."""
     import warnings
 
     reply_h = msg._reply_h
@@ -270,11 +261,11 @@ def _on_array(msg) -> None:
     am = w._am
     q = am.arrays.get(key)
     if q is None:
-        q = am.arrays[key] = _SenderQueue()
+        q = am.arrays[key] = deque()
     s = am.array_stats
     charge = _charge(msg)
-    if (s.max_count and len(q) >= s.max_count) or (
-        s.max_bytes and q.nbytes + charge > s.max_bytes
+    if (s.max_count and s.count >= s.max_count) or (
+        s.max_bytes and s.bytes + charge > s.max_bytes
     ):
         # Past a cap: eager data goes back to UCX, a rendezvous payload is
         # never fetched (its sender completes).
@@ -286,7 +277,6 @@ def _on_array(msg) -> None:
         _bounds.dropped(w)
         return
     q.append(msg)
-    q.nbytes += charge
     s.count += 1
     s.bytes += charge
 
@@ -294,7 +284,6 @@ def _on_array(msg) -> None:
 def _pop(q, key, pending, am) -> None:
     """Take the first queued array message of a sender off its queue."""
     charge = _charge(pending.popleft())
-    pending.nbytes -= charge
     s = am.array_stats
     s.count -= 1
     s.bytes -= charge
