@@ -24,7 +24,9 @@ Rules:
   worker are dropped by UCX itself.
 * Posted receives (:func:`am_recv_nb`) are matched in the UCX callback.  An
   id used with them and without a handler keeps, in C, the messages that
-  find no posted receive, for the next receive posted.
+  find no posted receive, for the next receive posted (up to
+  ``GPUCX_AM_KEPT_MAX_COUNT`` / ``_BYTES``; past them messages are dropped
+  and counted in ``Worker.stats()``, see :mod:`gpucx._bounds`).
 * Handlers do not nest: while a handler runs, progress made inside it (a
   blocking reply, say) queues new messages instead of dispatching them.
 * Ids ``0xFF00``..``0xFFFF`` are reserved for gpucx itself
@@ -726,10 +728,13 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     message.  A matched message never reaches the id's handler; messages
     that find no posted receive go to the handler as usual, or, when the id
     has no handler, wait (in C, in arrival order) for the next receive
-    posted, which takes the oldest at once.  The first receive posted for an
-    id registers it: before that, UCX drops messages of an id with neither
-    handler nor receive.  The header and reply endpoint of a matched message
-    are not kept (use a handler when you need them).
+    posted, which takes the oldest at once; past the context's
+    ``GPUCX_AM_KEPT_MAX_COUNT`` / ``GPUCX_AM_KEPT_MAX_BYTES`` caps they are
+    dropped instead (counted in ``worker.stats()["am_kept"]``).  The first
+    receive posted for an id registers it: before that, UCX drops messages
+    of an id with neither handler nor receive.  The header and reply
+    endpoint of a matched message are not kept (use a handler when you need
+    them).
 
     Returns
     -------
