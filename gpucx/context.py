@@ -74,6 +74,8 @@ class Context(Handle):
         self.config = options
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
+        # Regions exported for gpucx's emulated atomics (gpucx.ops.atomic).
+        self._amo_exports = lib.gpucx_amo_exports_new(1 if "amo" in names else 0)
         register_root(self)
 
     def __repr__(self) -> str:
@@ -132,3 +134,5 @@ class Context(Handle):
 
     def _release(self) -> None:
         lib.ucp_cleanup(self._h)
+        lib.gpucx_amo_exports_free(self._amo_exports)
+        self._amo_exports = ffi.NULL

@@ -98,9 +98,23 @@ class MemoryRegion(Handle):
                 raise_closed(ctx)
             check(lib.gpucx_rkey_pack(ctx._h, self._h, out, n), "ucp_rkey_pack")
             try:
-                self._packed = bytes(ffi.buffer(out[0], n[0]))
+                packed = bytes(ffi.buffer(out[0], n[0]))
             finally:
                 lib.gpucx_free(out[0])
+            if not self.readonly:
+                # Exported: gpucx's emulated atomics (gpucx.ops.atomic) may
+                # reach this region from now until it is closed.
+                check(
+                    lib.gpucx_amo_export_add(
+                        ctx._amo_exports,
+                        int(ffi.cast("uintptr_t", self._h)),
+                        self.address,
+                        self.nbytes,
+                        1 if self.memory_type == MemoryType.HOST else 0,
+                    ),
+                    "export",
+                )
+            self._packed = packed
         return self._packed
 
     def remote(self) -> RemoteMemory:
@@ -171,6 +185,11 @@ class MemoryRegion(Handle):
     def _release(self) -> None:
         ctx = self._context
         if ctx._h is not None:
+            if self._packed is not None and not self.readonly:
+                # No emulated atomic touches the memory once this returns.
+                lib.gpucx_amo_export_remove(
+                    ctx._amo_exports, int(ffi.cast("uintptr_t", self._h))
+                )
             lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
 
@@ -186,13 +205,22 @@ def _cupy_view(region, dt, shape, need):
     return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool):
+def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
     memh = ffi.new("ucp_mem_h *")
     addr = ffi.new("uint64_t *")
     length = ffi.new("size_t *")
     mtype = ffi.new("int *")
     st = lib.gpucx_mem_map(
-        ctx._h, ptr, nbytes, memory_type, 1 if alloc else 0, memh, addr, length, mtype
+        ctx._h,
+        ptr,
+        nbytes,
+        memory_type,
+        1 if alloc else 0,
+        1 if readonly else 0,
+        memh,
+        addr,
+        length,
+        mtype,
     )
     check(st, "ucp_mem_map")
     return memh[0], addr[0], length[0], mtype[0]
@@ -243,7 +271,12 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         pushed = _cuda.enter(buf.ptr)
     try:
         memh, _addr, _len, _mt = _map(
-            ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
+            ctx,
+            ffi.cast("void *", buf.ptr),
+            buf.nbytes,
+            int(buf.memory_type),
+            False,
+            not writable,
         )
     finally:
         _cuda.leave(pushed)
