@@ -48,6 +48,9 @@ FORMAT_VERSION = 1
 #: Largest packed remote key a token may carry.
 MAX_RKEY_LEN = 1 << 16
 
+#: Zero bytes after the copy of a packed key that UCX unpacks.
+RKEY_PAD = 4096
+
 FLAG_READONLY = 1
 _KNOWN_FLAGS = FLAG_READONLY
 
@@ -267,7 +270,14 @@ class RemoteKey(Handle):
         if h is None:
             raise_closed(ep)
         out = ffi.new("ucp_rkey_h *")
-        check(lib.gpucx_rkey_unpack(h, remote.rkey, out), "ucp_ep_rkey_unpack")
+        # UCX parses a packed key without its length: a truncated or crafted
+        # key makes it read past the end.  Hand it a zero-padded copy, as
+        # worker addresses get (endpoint.py), so such reads stay in memory
+        # gpucx owns and see zeros.
+        rkey = remote.rkey
+        padded = ffi.new("char[]", len(rkey) + RKEY_PAD)
+        ffi.memmove(padded, rkey, len(rkey))
+        check(lib.gpucx_rkey_unpack(h, padded, out), "ucp_ep_rkey_unpack")
         self._init_handle()
         self._h = out[0]
         self.remote = remote
