@@ -22,9 +22,13 @@ truncated, oversized, foreign, newer or corrupted blobs with a
 :class:`ValueError` before UCX sees them.
 
 :class:`RemoteKey` is a token unpacked on one endpoint
-(``ucp_ep_rkey_unpack``): what RMA and atomic calls take.  It bounds-checks
-every access against the token, so a peer reaches exactly the bytes that
-were exported to it.
+(``ucp_ep_rkey_unpack``, from a zero-padded copy of the packed key): what
+RMA and atomic calls take.  It bounds-checks every access against the
+token, so an honest peer stays inside the bytes exported to it.  These
+checks run in the initiator's process: a hostile peer that skips them
+reaches whatever UCX lets its key reach (on shared memory and TCP, any
+address in the owner's process; see docs/rma.md, "What a peer can
+reach").  Only gpucx's emulated atomics are checked at the target.
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Remote atomics (``ucp_atomic_op_nbx``) on 4- and 8-byte words.
+"""Remote atomics on 4- and 8-byte words.
+
+On endpoints without peer error handling they are ``ucp_atomic_op_nbx``.
+On endpoints with it (gpucx's default), where UCX (>= 1.19) has no atomic
+protocol, gpucx runs them over its own active messages (reserved ids
+``0xFF20``/``0xFF21``): the target's C handler checks the request against
+the regions its context exported (writable host memory, in bounds,
+aligned, ``"amo"`` feature), applies it with ``__atomic`` builtins and
+replies with the old value; see :func:`emulated` and docs/rma.md.
 
 Values are unsigned ``nbytes * 8``-bit integers; negative operands are taken
 in two's complement (``atomic_add(k, -1)`` decrements).  Fetched values are
@@ -232,10 +240,15 @@ _RAISES = """
             If ``rkey`` is not a RemoteKey or a value is not an int, or for
             a bad ``stream``.
         gpucx.UnsupportedError
-            (blocking form) UCX has no atomic protocol to this peer, e.g.
-            on an endpoint with peer error handling (the ``_nb`` form
-            fails with ``CanceledError``); or a ``stream`` without a CUDA
-            driver.
+            An endpoint with peer error handling (gpucx emulates the atomic)
+            on a context without the ``"am"`` feature, a target without the
+            ``"amo"`` feature or a device-memory region; or a ``stream``
+            without a CUDA driver.
+        gpucx.UCXError
+            The target refused an emulated atomic (region not exported,
+            read-only or closed, out of bounds, misaligned).
+        gpucx.CanceledError
+            The endpoint was closed while the atomic waited.
         gpucx.PeerError
             If the peer died or is unreachable.
         gpucx.ClosedError
@@ -293,8 +306,13 @@ def compare_swap(
         If ``rkey`` is not a RemoteKey or a value is not an int, or for a
         bad ``stream``.
     gpucx.UnsupportedError
-        UCX has no atomic protocol to this peer, e.g. on an endpoint with
-        peer error handling; or a ``stream`` without a CUDA driver.
+        As for :func:`fetch_add`: no ``"am"`` feature for an emulated
+        atomic, a target without ``"amo"``; or a ``stream`` without a CUDA
+        driver.
+    gpucx.UCXError
+        The target refused an emulated atomic.
+    gpucx.CanceledError
+        The endpoint was closed while the atomic waited.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
