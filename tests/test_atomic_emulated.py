@@ -240,6 +240,26 @@ def test_worker_close_flushes_a_pending_atomic(ctx):
     region.close()
 
 
+def test_timed_out_atomic_then_late_reply(pair):
+    """A wait that times out cancels the wait for the reply; the target may
+    still apply the operation (it was sent), and its late reply is ignored."""
+    ctx, a, b, ab = pair
+    mem = np.zeros(1, np.uint64)
+    region = ctx.register(mem)
+    key = ab.unpack(region.remote())
+    req = ab.fetch_add_nb(key, 1)
+    with pytest.raises(gpucx.TimeoutError):
+        req.wait(0.2)
+    for _ in range(50):  # the target applies it and replies; nobody waits
+        b.progress()
+        a.progress()
+    assert mem[0] == 1
+    with background(b):
+        assert ab.fetch_add(key, 1) == 1
+    assert mem[0] == 2
+    region.close()
+
+
 @pytest.mark.parametrize("tls", ["shm", "tcp"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "nb"])
 def test_peer_death_mid_atomic_raises_peer_error(tls, blocking):

@@ -62,7 +62,6 @@ typedef struct gpucx_amo {
     /* emulated path */
     struct gpucx_amo_emu *emu;
     ucp_ep_h              ep;
-    void                 *send_req; /* the request AM while UCX holds it */
     unsigned              waits;    /* GPUCX_AMO_WAIT_* still outstanding */
     ucs_status_t          error;
     gpucx_amo_wire_req_t  msg;
@@ -327,9 +326,8 @@ static void gpucx__amo_sent_cb(void *request, ucs_status_t status,
     gpucx_amo_t     *a = (gpucx_amo_t *)user_data;
     gpucx_amo_emu_t *e = a->emu;
 
-    pthread_mutex_lock(&e->lock);
-    a->send_req = NULL;
     ucp_request_free(request);
+    pthread_mutex_lock(&e->lock);
     if (status != UCS_OK &&
         gpucx__amo_tab_take(e, a->msg.seq) == a) {
         gpucx__amo_settle(a, GPUCX_AMO_WAIT_REPLY, status);
@@ -519,17 +517,20 @@ static void gpucx_amo_worker_free(gpucx_worker_state_t *ws)
     free(e);
 }
 
+/* Cancel: the reply is no longer awaited.  The request AM, if UCX still
+ * holds it, is left to complete on its own (an eager message of a few
+ * bytes; a force close of the endpoint completes it too): canceling it here
+ * could run its callback, which takes the lock, from inside
+ * ucp_request_cancel. */
 static void gpucx__amo_emu_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
     gpucx_amo_t     *a = (gpucx_amo_t *)slot;
     gpucx_amo_emu_t *e = a->emu;
 
+    (void)worker;
     pthread_mutex_lock(&e->lock);
     if (gpucx__amo_tab_take(e, a->msg.seq) == a) {
         gpucx__amo_settle(a, GPUCX_AMO_WAIT_REPLY, UCS_ERR_CANCELED);
-    }
-    if (a->send_req != NULL) {
-        ucp_request_cancel(worker, a->send_req);
     }
     pthread_mutex_unlock(&e->lock);
 }
@@ -548,7 +549,6 @@ static ucs_status_t gpucx__amo_emu_post(gpucx_amo_emu_t *e, ucp_ep_h ep,
     a->slot.kind   = GPUCX_SLOT_AMO_EMU;
     a->emu         = e;
     a->ep          = ep;
-    a->send_req    = NULL;
     a->error       = UCS_OK;
     a->waits       = GPUCX_AMO_WAIT_SEND | GPUCX_AMO_WAIT_REPLY;
     a->msg.magic   = GPUCX_AMO_MAGIC;
@@ -585,9 +585,7 @@ static ucs_status_t gpucx__amo_emu_post(gpucx_amo_emu_t *e, ucp_ep_h ep,
         gpucx__amo_settle(a, GPUCX_AMO_WAIT_SEND, UCS_PTR_STATUS(r));
     } else if (r == NULL) {
         gpucx__amo_settle(a, GPUCX_AMO_WAIT_SEND, UCS_OK);
-    } else if (a->waits & GPUCX_AMO_WAIT_SEND) {
-        a->send_req = r; /* the callback has not run yet */
-    }
+    } /* else the callback settles the send (it may have run already) */
     pthread_mutex_unlock(&e->lock);
     return a->slot.status;
 }
