@@ -62,9 +62,13 @@ typedef struct gpucx_ep_state {
  * CAS; release stores pair with acquire loads on the other side, so an
  * entry is complete before a consumer sees it and taken before the
  * producer reuses it. */
+struct gpucx_amo_emu;
+
 typedef struct gpucx_worker_state {
     ucp_worker_h       worker;
     int                efd;
+    /* gpucx's atomics over active messages (atomic.c), or NULL. */
+    struct gpucx_amo_emu *amo;
     unsigned           err_head; /* consumers (CAS) */
     unsigned           err_tail; /* the producer */
     gpucx_ep_state_t  *err_q[GPUCX_ERRQ_CAP];
@@ -205,11 +209,15 @@ static void gpucx__tag_recv_cb(void *request, ucs_status_t status,
     slot->status = status;
 }
 
+static void gpucx__amo_ep_failed(struct gpucx_amo_emu *emu, ucp_ep_h ep,
+                                 ucs_status_t status);
+
 static void gpucx__ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     gpucx_ep_state_t     *st = (gpucx_ep_state_t *)arg;
     gpucx_worker_state_t *w  = st->worker;
-    (void)ep;
+    /* Emulated atomics still waiting for this peer's reply fail now. */
+    gpucx__amo_ep_failed(w->amo, ep, status);
     if (st->error == UCS_OK) {
         st->error = status;
     }
@@ -285,6 +293,9 @@ struct gpucx_am_reg;
 struct gpucx_am_group;
 static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
 static void gpucx__am_unpost_group(struct gpucx_am_group *g);
+/* A slot of an atomic gpucx runs over active messages (atomic.c). */
+#define GPUCX_SLOT_AMO_EMU 4
+static void gpucx__amo_emu_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
 
 static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
@@ -296,6 +307,9 @@ static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
     } else if (slot->status == UCS_INPROGRESS && slot->kind == 3) {
         /* Receives posted as a group (am.c): the slot opens the group. */
         gpucx__am_unpost_group((struct gpucx_am_group *)slot);
+    } else if (slot->status == UCS_INPROGRESS &&
+               slot->kind == GPUCX_SLOT_AMO_EMU) {
+        gpucx__amo_emu_cancel(worker, slot);
     }
     return slot->status;
 }

@@ -81,6 +81,12 @@ class Context(Handle):
         self._spin_ns = int(own["SPIN_US"] * 1000)
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
         self._options = own
+        # Regions exported for gpucx's emulated atomics (gpucx.ops.atomic).
+        self._amo_exports = lib.gpucx_amo_exports_new(1 if "amo" in names else 0)
+        # Closed regions whose memory UCX allocated and a view still uses
+        # (gpucx.mem.region): ucp_cleanup waits until they are unmapped.
+        self._deferred_maps = 0
+        self._cleanup_deferred = False
         register_root(self)
 
     def __repr__(self) -> str:
@@ -138,4 +144,14 @@ class Context(Handle):
     allocate = _region.allocate
 
     def _release(self) -> None:
-        lib.ucp_cleanup(self._h)
+        if self._deferred_maps:
+            # An array view of UCX-allocated memory is still alive: the
+            # cleanup (which would free that memory) runs when it is gone.
+            self._cleanup_deferred = True
+            return
+        self._cleanup(self._h)
+
+    def _cleanup(self, h) -> None:
+        lib.ucp_cleanup(h)
+        lib.gpucx_amo_exports_free(self._amo_exports)
+        self._amo_exports = ffi.NULL

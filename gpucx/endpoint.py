@@ -106,7 +106,9 @@ class Endpoint(Handle):
             lib.gpucx_ep_create_conn(worker._state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
-        return cls(worker, state, peer)
+        ep = cls(worker, state, peer)
+        ep._peer_mode = error_handling
+        return ep
 
     @classmethod
     def _borrow(cls, worker, h):
@@ -276,6 +278,9 @@ class Endpoint(Handle):
             w._park(slot, None)
         else:
             lib.gpucx_slot_release(slot)
+        # Atomics gpucx runs over active messages on this endpoint wait for a
+        # reply UCX knows nothing of: they are canceled here.
+        lib.gpucx_amo_ep_closed(w._state, self._h, lib.UCS_ERR_CANCELED)
         if force:
             # A force close completes this endpoint's requests (canceled)
             # from inside progress; let them land before the caller looks.

@@ -13,6 +13,7 @@ from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
+from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
 from .request import INPROGRESS, finish, new_slot
@@ -79,6 +80,7 @@ class Worker(Handle):
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
         context._adopt(self)
         _rma.worker_init(self)
+        _atomic.worker_init(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else self.thread_mode
@@ -348,6 +350,7 @@ class Worker(Handle):
         _am.detach(self)
         lib.ucp_worker_destroy(h)
         _rma.worker_release(self)
+        lib.gpucx_amo_worker_free(self._state)
         # Whatever UCX still held is gone with the worker: settle it.
         for req in list(self._pending):
             req._slot.req = ffi.NULL

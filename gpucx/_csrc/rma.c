@@ -24,10 +24,13 @@ static const unsigned GPUCX_NOTIFY_MAX_LEN = GPUCX_NOTIFY_MAX;
 /* ---- memory regions ---------------------------------------------------- */
 
 /* Map existing memory (allocate=0) or let UCX allocate (allocate=1).
+ * readonly: map without remote write permission (UCP_MEM_MAP_PROT_*; what
+ * each transport then enforces is in docs/rma.md).
  * On success *addr_out / *len_out / *memtype_out describe the region. */
 static ucs_status_t gpucx_mem_map(ucp_context_h ctx, void *address,
                                   size_t length, int memory_type, int allocate,
-                                  ucp_mem_h *memh, uint64_t *addr_out,
+                                  int readonly, ucp_mem_h *memh,
+                                  uint64_t *addr_out,
                                   size_t *len_out, int *memtype_out)
 {
     ucp_mem_map_params_t params;
@@ -41,6 +44,11 @@ static ucs_status_t gpucx_mem_map(ucp_context_h ctx, void *address,
     params.address = allocate ? NULL : address;
     params.length  = length;
     params.flags   = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+    if (readonly) {
+        params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+        params.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE |
+                      UCP_MEM_MAP_PROT_REMOTE_READ;
+    }
     if (memory_type >= 0) {
         params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
         params.memory_type = (ucs_memory_type_t)memory_type;

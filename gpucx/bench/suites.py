@@ -171,6 +171,9 @@ class Bench:
     fixed_sizes: tuple[int, ...] | None = None
     #: What the latency figure means (for the table's notes).
     latency_note = "one-way (half a round trip)"
+    #: Context features the serving side needs for this test
+    #: (``gpucx bench --server`` enables only those of the tests it serves).
+    features: frozenset[str] = frozenset({"tag"})
 
     def __init__(self, sess, params: Params, server: bool = False):
         self.s = sess
@@ -376,6 +379,8 @@ class TagBw(Bench):
 
 
 class _AmBase(Bench):
+    features = frozenset({"tag", "am"})
+
     def _inbox(self):
         self.inbox: list = []
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
@@ -498,6 +503,7 @@ class AmBw(_AmBase):
 
 
 class StreamBw(Bench):
+    features = frozenset({"tag", "stream"})
     name = "stream_bw"
     kind = "bw"
     perftest = "stream_bw"
@@ -532,6 +538,8 @@ class StreamBw(Bench):
 
 
 class _RmaBase(Bench):
+    features = frozenset({"tag", "rma"})
+
     def prepare(self) -> dict:
         self.target = self.buffer()
         self.region = self.s.ctx.register(self.target)
@@ -680,6 +688,9 @@ class FaddLat(_RmaBase):
     perftest = "ucp_fadd"
     fixed_sizes = (8,)
     latency_note = "whole fetch-and-add (a round trip)"
+    # "am": on endpoints with peer error handling gpucx runs atomics over
+    # its own active messages (gpucx.ops.atomic).
+    features = frozenset({"tag", "rma", "amo", "am"})
 
     def measure(self, rmem) -> dict:
         ep = self.s.ep
@@ -696,6 +707,7 @@ class FaddLat(_RmaBase):
 
 
 class ArrayBw(Bench):
+    features = frozenset({"tag", "am"})
     name = "array_bw"
     kind = "bw"
     perftest = None
@@ -740,3 +752,11 @@ TESTS: dict[str, type[Bench]] = {
 
 #: What plain ``gpucx bench`` runs.
 DEFAULT_TESTS = ("tag_lat", "tag_bw")
+
+
+def server_features(tests) -> frozenset[str]:
+    """The context features a server needs to serve ``tests`` and no more."""
+    out: frozenset[str] = frozenset({"tag"})
+    for name in tests:
+        out |= TESTS[name].features
+    return out

@@ -9,6 +9,8 @@ peer put, get and run atomics on it.  Regions are children of their
 
 from __future__ import annotations
 
+import weakref
+
 import numpy
 
 from .._handle import Handle, raise_closed
@@ -22,19 +24,41 @@ from .remote import RemoteMemory
 __all__ = ["MemoryRegion", "register", "allocate"]
 
 
+class _Memory:
+    """What the views of a region hold: the registered object, whose memory
+    stays valid while a view exists even after the region is closed; for
+    memory UCX allocated, the mapping itself, which a close leaves mapped
+    until the last view is gone (see :meth:`MemoryRegion._release`)."""
+
+    __slots__ = ("obj", "__weakref__")
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 class _HostView:
-    """Exports region memory to NumPy and keeps the region referenced."""
+    """Exports region memory to NumPy and keeps the memory alive."""
 
-    __slots__ = ("__array_interface__", "_region")
+    __slots__ = ("__array_interface__", "_memory")
 
-    def __init__(self, region, typestr: str, shape: tuple[int, ...]):
-        self._region = region
+    def __init__(self, memory, address, readonly, typestr, shape):
+        self._memory = memory
         self.__array_interface__ = {
             "version": 3,
             "shape": shape,
             "typestr": typestr,
-            "data": (region.address, region.readonly),
+            "data": (address, readonly),
         }
+
+
+def _unmap_later(ctx, ctx_h, memh) -> None:
+    """The last view of a closed region allocated by UCX is gone: unmap it,
+    and finish the context's cleanup if that waited for it."""
+    lib.gpucx_mem_unmap(ctx_h, memh)
+    ctx._deferred_maps -= 1
+    if ctx._deferred_maps == 0 and ctx._cleanup_deferred:
+        ctx._cleanup_deferred = False
+        ctx._cleanup(ctx_h)
 
 
 class MemoryRegion(Handle):
@@ -73,6 +97,7 @@ class MemoryRegion(Handle):
         self.obj = obj
         self._alloc = alloc
         self._packed: bytes | None = None
+        self._memory_ref = None  # weakref to the _Memory views hold
         context._adopt(self)
 
     def __repr__(self) -> str:
@@ -98,9 +123,23 @@ class MemoryRegion(Handle):
                 raise_closed(ctx)
             check(lib.gpucx_rkey_pack(ctx._h, self._h, out, n), "ucp_rkey_pack")
             try:
-                self._packed = bytes(ffi.buffer(out[0], n[0]))
+                packed = bytes(ffi.buffer(out[0], n[0]))
             finally:
                 lib.gpucx_free(out[0])
+            if not self.readonly:
+                # Exported: gpucx's emulated atomics (gpucx.ops.atomic) may
+                # reach this region from now until it is closed.
+                check(
+                    lib.gpucx_amo_export_add(
+                        ctx._amo_exports,
+                        int(ffi.cast("uintptr_t", self._h)),
+                        self.address,
+                        self.nbytes,
+                        1 if self.memory_type == MemoryType.HOST else 0,
+                    ),
+                    "export",
+                )
+            self._packed = packed
         return self._packed
 
     def remote(self) -> RemoteMemory:
@@ -119,8 +158,12 @@ class MemoryRegion(Handle):
     def as_array(self, dtype=numpy.uint8, shape=None):
         """A NumPy (host) or CuPy (CUDA) array viewing the region.
 
-        The view keeps the region object referenced, but does not keep it
-        mapped: do not use views after :meth:`close` of an allocated region.
+        The view keeps the memory alive: after :meth:`close` (or the
+        context's close) it still reads and writes the region's memory,
+        which is unmapped (memory UCX allocated) or released (the registered
+        object) only once the last view is gone.  Peers cannot reach the
+        memory of a closed region through gpucx's emulated atomics; what
+        they reach by RMA is UCX's matter (docs/rma.md).
 
         Parameters
         ----------
@@ -158,10 +201,15 @@ class MemoryRegion(Handle):
                 f"shape {shape} of {dt} needs {need} bytes; the region has "
                 f"{self.nbytes}"
             )
+        memory = self._memory_ref() if self._memory_ref is not None else None
+        if memory is None:
+            memory = _Memory(self.obj)
+            self._memory_ref = weakref.ref(memory)
         if self.memory_type == MemoryType.HOST:
-            return numpy.asarray(_HostView(self, dt.str, shape))
+            view = _HostView(memory, self.address, self.readonly, dt.str, shape)
+            return numpy.asarray(view)
         if self.memory_type in CUDA_TYPES:
-            return _cupy_view(self, dt, shape, need)
+            return _cupy_view(self, memory, dt, shape, need)
         from ..errors import UnsupportedError
 
         raise UnsupportedError(
@@ -171,28 +219,49 @@ class MemoryRegion(Handle):
     def _release(self) -> None:
         ctx = self._context
         if ctx._h is not None:
-            lib.gpucx_mem_unmap(ctx._h, self._h)
+            if self._packed is not None and not self.readonly:
+                # No emulated atomic touches the memory once this returns.
+                lib.gpucx_amo_export_remove(
+                    ctx._amo_exports, int(ffi.cast("uintptr_t", self._h))
+                )
+            memory = self._memory_ref() if self._memory_ref is not None else None
+            if memory is not None and self.obj is None:
+                # Memory UCX allocated, still viewed: unmap it when the last
+                # view is gone (the context's cleanup waits for that too).
+                ctx._deferred_maps += 1
+                weakref.finalize(memory, _unmap_later, ctx, ctx._h, self._h)
+            else:
+                lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
 
 
-def _cupy_view(region, dt, shape, need):
+def _cupy_view(region, memory, dt, shape, need):
     from ..errors import UnsupportedError
 
     try:
         import cupy
     except ImportError:
         raise UnsupportedError("viewing a CUDA region as an array needs CuPy") from None
-    mem = cupy.cuda.UnownedMemory(region.address, need, region)
+    mem = cupy.cuda.UnownedMemory(region.address, need, memory)
     return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool):
+def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
     memh = ffi.new("ucp_mem_h *")
     addr = ffi.new("uint64_t *")
     length = ffi.new("size_t *")
     mtype = ffi.new("int *")
     st = lib.gpucx_mem_map(
-        ctx._h, ptr, nbytes, memory_type, 1 if alloc else 0, memh, addr, length, mtype
+        ctx._h,
+        ptr,
+        nbytes,
+        memory_type,
+        1 if alloc else 0,
+        1 if readonly else 0,
+        memh,
+        addr,
+        length,
+        mtype,
     )
     check(st, "ucp_mem_map")
     return memh[0], addr[0], length[0], mtype[0]
@@ -243,7 +312,12 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         pushed = _cuda.enter(buf.ptr)
     try:
         memh, _addr, _len, _mt = _map(
-            ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
+            ctx,
+            ffi.cast("void *", buf.ptr),
+            buf.nbytes,
+            int(buf.memory_type),
+            False,
+            not writable,
         )
     finally:
         _cuda.leave(pushed)
