@@ -12,8 +12,9 @@ worker; the client (this process) measures, on one endpoint each,
   messages, applied in C at the owner;
 
 and for each: the median latency of a blocking ``ep.fetch_add`` and the
-rate of ``ep.fetch_add_nb`` with 64 outstanding (batches of 512 calls, the
-median batch).  ``ucx_perftest -t
+rate of ``ep.fetch_add_nb`` with 64 outstanding (batches of 256 calls: the
+median batch, and the best one, which is what the path can do when
+neither process is descheduled).  ``ucx_perftest -t
 ucp_fadd`` (no ``-e``: it has no protocol with error handling either) runs
 in the same round as the reference.  Rounds are interleaved; the table
 gives medians over rounds, and the ratios are computed within each round.
@@ -36,7 +37,7 @@ WINDOW = 64
 #: fetch_add_nb calls per timed batch; the rate is that of the median batch
 #: (a shared VM deschedules a process now and then: the mean would measure
 #: the scheduler).
-BATCH = 512
+BATCH = 256
 PORT = 13500
 
 
@@ -95,6 +96,7 @@ def client(tls, n):
                         r.wait()
                     batches[b] = time.perf_counter_ns() - t0
                 out[(path, "rate")] = BATCH / (float(np.median(batches)) / 1e9)
+                out[(path, "peak")] = BATCH / (float(batches.min()) / 1e9)
                 total += 200 + n + len(batches) * BATCH
                 key.close()
                 ep.close(force=True)
@@ -155,6 +157,7 @@ def main():
             for path in ("ucx", "emulated"):
                 rows.setdefault(f"{path} lat", []).append(g[(path, "lat")])
                 rows.setdefault(f"{path} rate", []).append(g[(path, "rate")])
+                rows.setdefault(f"{path} peak", []).append(g[(path, "peak")])
             rows.setdefault("perftest lat", []).append(p["p50"])
             rows.setdefault("perftest rate", []).append(p["rate"])
             rows.setdefault("lat emulated/ucx", []).append(
@@ -163,25 +166,33 @@ def main():
             rows.setdefault("rate emulated/ucx", []).append(
                 g[("emulated", "rate")] / g[("ucx", "rate")]
             )
+            rows.setdefault("peak emulated/ucx", []).append(
+                g[("emulated", "peak")] / g[("ucx", "peak")]
+            )
         med = {k: statistics.median(v) for k, v in rows.items()}
         print(f"\n### {tls} ({args.rounds} rounds, {args.n} ops per figure)\n")
-        print("| path | blocking fetch_add p50 | fetch_add_nb rate (64 outstanding) |")
-        print("|---|---:|---:|")
         print(
-            f"| UCX (`error_handling=False`) | {med['ucx lat']:.2f} us | "
-            f"{med['ucx rate'] / 1e3:.0f} kops/s |"
+            "| path | blocking fetch_add p50 | fetch_add_nb rate, median batch "
+            "| best batch |"
         )
-        print(
-            f"| gpucx emulation (default endpoint) | {med['emulated lat']:.2f} us | "
-            f"{med['emulated rate'] / 1e3:.0f} kops/s |"
-        )
+        print("|---|---:|---:|---:|")
+        for label, key in (
+            ("UCX (`error_handling=False`)", "ucx"),
+            ("gpucx emulation (default endpoint)", "emulated"),
+        ):
+            print(
+                f"| {label} | {med[key + ' lat']:.2f} us | "
+                f"{med[key + ' rate'] / 1e3:.0f} kops/s | "
+                f"{med[key + ' peak'] / 1e3:.0f} kops/s |"
+            )
         print(
             f"| ucx_perftest ucp_fadd (reference) | {med['perftest lat']:.2f} us | "
-            f"{med['perftest rate'] / 1e3:.0f} kops/s |"
+            f"{med['perftest rate'] / 1e3:.0f} kops/s (overall) | |"
         )
         print(
             f"\nemulated/ucx within rounds: latency {med['lat emulated/ucx']:.2f}x, "
-            f"rate {med['rate emulated/ucx']:.2f}x"
+            f"rate {med['rate emulated/ucx']:.2f}x, best batch "
+            f"{med['peak emulated/ucx']:.2f}x"
         )
     return 0
 
