@@ -57,15 +57,23 @@ class Settings(NamedTuple):
     ctrl_cap: int
 
 
-def _load_defaults() -> None:
+def _load_defaults() -> dict[str, Any]:
     import yaml
 
     path = os.path.join(os.path.dirname(__file__), "gpucx-dask.yaml")
     with open(path) as f:
-        dask.config.update_defaults(yaml.safe_load(f))
+        defaults = yaml.safe_load(f)
+    dask.config.update_defaults(defaults)
+    return defaults["distributed-gpucx"]
 
 
-_load_defaults()
+DEFAULTS = _load_defaults()
+
+
+def _config() -> dict[str, Any]:
+    """``distributed-gpucx.*`` over the shipped defaults (a test harness may
+    have replaced Dask's whole config)."""
+    return {**DEFAULTS, **(dask.config.get("distributed-gpucx", default=None) or {})}
 
 
 def settings() -> Settings:
@@ -77,7 +85,7 @@ def settings() -> Settings:
         For a value of the wrong kind (a negative timeout, an unknown
         progress mode...).
     """
-    cfg = dask.config.get("distributed-gpucx")
+    cfg = _config()
     ct = parse_timedelta(cfg["connect-timeout"], "s")
     cl = parse_timedelta(cfg["close-timeout"], "s")
     inline = parse_bytes(cfg["inline-threshold"])
@@ -105,7 +113,7 @@ def settings() -> Settings:
 
 def context_config() -> dict[str, Any]:
     """``gpucx.Context(config=...)`` from ``distributed-gpucx.*``."""
-    cfg = dask.config.get("distributed-gpucx")
+    cfg = _config()
     out: dict[str, Any] = {}
     for key, value in (cfg.get("environment") or {}).items():
         name = str(key).upper().replace("-", "_")

@@ -114,6 +114,8 @@ class GpucxComm(Comm):
         self._sentinel = sentinel
         self._released = False
         self._consumed = False
+        self._close_sent = False
+        self._peer_closed = False
         self._watch = asyncio.ensure_future(self._watch_peer())
 
     # -- failure detection ----------------------------------------------------
@@ -156,7 +158,7 @@ class GpucxComm(Comm):
             info = await self._recv(self._ctrl)
             ctl = fr.parse(self._ctrl, info.nbytes, s.limits)
             if ctl.flags & fr.F_CLOSE:
-                self._broken = "closed by the peer"
+                self._peer_closed = True
                 self.abort()
                 raise CommClosedError(f"{self}: connection closed by the peer")
             sizes, kinds = ctl.sizes, ctl.kinds
@@ -281,20 +283,61 @@ class GpucxComm(Comm):
         if self._closed:
             return
         self._closed = True
+        for req in list(self._recvs):  # a read in flight ends closed
+            req.cancel()
         try:
-            if self._broken is None and self._ep.endpoint._h is not None:
-                self._ep.send_nb(fr.close_message(), self._stag)
-                self._consume_sentinel()
+            if self._drain():
+                self._peer_closed = True  # nothing to tell the peer
+            elif self._broken is None and self._ep.endpoint._h is not None:
+                req = self._ep.send_nb(fr.close_message(), self._stag)
                 await asyncio.wait_for(self._ep.aflush(), self._settings.close_timeout)
+                await req
+                self._close_sent = True
         except (Exception, asyncio.TimeoutError):
             pass
         finally:
             self._teardown()
 
+    def _drain(self) -> bool:
+        """Take what waits on our tag in UCX's unexpected queue (nobody will
+        read it); True when the peer's CLOSE was among it."""
+        saw_close = False
+        for _ in range(64):
+            try:
+                req = self._w.recv_nb(self._ctrl, self._rtag)
+            except Exception:  # the worker is gone already
+                return saw_close
+            if not req.done():
+                req.cancel()
+                break
+            if req.exception() is None:
+                nbytes = req.result().nbytes
+                if nbytes == fr.HEADER.size and bytes(self._ctrl[:nbytes]) == (
+                    fr.close_message()
+                ):
+                    saw_close = True
+        return saw_close
+
+    def _send_close(self) -> None:
+        """Post a CLOSE control message (abort), unless the peer is gone or
+        closed, or one went out already."""
+        if self._broken is not None or self._peer_closed or self._close_sent:
+            return
+        try:
+            req = self._ep.send_nb(fr.close_message(), self._stag)
+            if req.done() and req.exception() is None:
+                self._close_sent = True
+        except Exception:
+            pass
+
     def _consume_sentinel(self) -> None:
-        """Take the peer's sentinel out of UCX's unexpected queue (the peer's
-        watch then ends quietly); give up at once if it is not there."""
-        if self._consumed:
+        """Take the peer's sentinel out of UCX's unexpected queue (its watch
+        then ends quietly); give up at once if it is not there.  Only once
+        the peer knows of the close (our CLOSE went out, it closed, or it
+        failed): the peer must not take a quiet end for a close."""
+        if self._consumed or not (
+            self._close_sent or self._peer_closed or self._broken is not None
+        ):
             return
         self._consumed = True
         try:
@@ -316,8 +359,10 @@ class GpucxComm(Comm):
             req.cancel()
         ep = self._ep
         if ep is not None:
+            if self._drain():
+                self._peer_closed = True
+            self._send_close()
             self._consume_sentinel()
-        if ep is not None:
             self._ep = None
             try:
                 ep.close(force=True)
