@@ -364,9 +364,11 @@ async def test_garbage_control_message_closes_the_comm():
 async def test_encryption_is_refused():
     with pytest.raises(FatalCommClosedError, match="does not encrypt"):
         await listen(ADDR + ":0", echo, ssl_context=object())
-    with dask.config.set({"distributed.comm.require-encryption": True}):
-        with pytest.raises(FatalCommClosedError, match="does not encrypt"):
-            await connect(ADDR + ":1", timeout=1)
+    with (
+        dask.config.set({"distributed.comm.require-encryption": True}),
+        pytest.raises(FatalCommClosedError, match="does not encrypt"),
+    ):
+        await connect(ADDR + ":1", timeout=1)
 
 
 @pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
