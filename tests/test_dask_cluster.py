@@ -38,11 +38,13 @@ async def test_tasks_over_gpucx(c, s, a, b):
 @pytest.mark.parametrize("cls", [Worker, Nanny])
 @gen_test(timeout=60)
 async def test_protocol_from_the_scheduler_address(cls):
-    async with Scheduler(protocol="gpucx", dashboard_address=":0") as s:
-        async with cls(s.address) as w:
-            assert w.address.startswith("gpucx://")
-            async with Client(s.address, asynchronous=True) as c:
-                assert await c.submit(inc, 41) == 42
+    async with (
+        Scheduler(protocol="gpucx", dashboard_address=":0") as s,
+        cls(s.address) as w,
+        Client(s.address, asynchronous=True) as c,
+    ):
+        assert w.address.startswith("gpucx://")
+        assert await c.submit(inc, 41) == 42
 
 
 @gen_test(timeout=60)
