@@ -40,3 +40,18 @@ def comm_server(tls, ch, mode):
 
 def sleeper():
     time.sleep(3600)
+
+
+#: Sizes the fake device allocator was asked for (test double for CuPy/RMM).
+FAKE_DEVICE_CALLS: list = []
+
+
+def fake_device_buffer(nbytes):
+    """A device-allocator stand-in for a missing GPU: host memory posing as
+    CUDA memory through ``__cuda_array_interface__`` (tests/fakegpu.py)."""
+    import numpy as np
+
+    from fakegpu import FakeCudaArrayV3
+
+    FAKE_DEVICE_CALLS.append(nbytes)
+    return FakeCudaArrayV3(np.empty(nbytes, "u1"))
