@@ -57,7 +57,8 @@ def _echo_server(scheme, tls, conn):
                 await comm.close()
                 done.set()
 
-        async with listen(f"{scheme}://127.0.0.1:0", handle) as lst:
+        # deserialize=False: the echo sends the frames back as they came.
+        async with listen(f"{scheme}://127.0.0.1:0", handle, deserialize=False) as lst:
             conn.send(lst.contact_address)
             await done.wait()
 
