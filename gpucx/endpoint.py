@@ -158,6 +158,36 @@ class Endpoint(Handle):
             for i in range(n)
         ]
 
+    @property
+    def local_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of this side of the connection (``ucp_ep_query``),
+        for endpoints made by a ``(host, port)`` connect or a listener; None
+        for one made from a worker address."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[0]
+
+    @property
+    def remote_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the peer's side of the connection (see
+        :attr:`local_sockaddr`)."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[1]
+
+    def _sockaddrs(self):
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        local = ffi.new("char[]", 64)
+        remote = ffi.new("char[]", 64)
+        lport = ffi.new("int *")
+        rport = ffi.new("int *")
+        if lib.gpucx_ep_sockaddrs(h, local, remote, 64, lport, rport) != 0:
+            return None
+        return (
+            (ffi.string(local).decode(), lport[0]),
+            (ffi.string(remote).decode(), rport[0]),
+        )
+
     def flush(self, timeout: float | None = None) -> None:
         """Complete all operations issued on this endpoint at the peer.
 
