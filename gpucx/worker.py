@@ -312,7 +312,7 @@ class Worker(Handle):
         # Cancel what is still outstanding and give UCX a bounded time to
         # report back, so no callback writes into freed slots.
         for req in list(self._pending):
-            if req._slot.status == INPROGRESS:
+            if req._slot.status == INPROGRESS and req._cancelable:
                 lib.gpucx_slot_cancel(h, req._slot)
         end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
         while time.monotonic() < end and any(

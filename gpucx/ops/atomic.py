@@ -72,7 +72,9 @@ def _prepare(ep, rkey, offset, nbytes, what):
     return h, raddr
 
 
-def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
+def _run(
+    ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
+):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
@@ -86,7 +88,8 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
     )
     if st:
         if st == INPROGRESS:
-            st = block(w, ffi.addressof(amo, "slot"), None, (amo, rkey))
+            # UCX cannot cancel an atomic: a timeout parks it, uncanceled.
+            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), None, False)
         if st == lib.UCS_ERR_CANCELED:
             raise UnsupportedError(
                 f"{what}: UCX found no atomic protocol to this peer (UCX "
@@ -114,14 +117,29 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
 
     else:
         finish = None
-    req = Request(ep._w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep)
-    return req
+    return _AtomicRequest(
+        ep._w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep
+    )
+
+
+class _AtomicRequest(Request):
+    """An atomic's request: UCX cannot cancel it, so neither ``cancel()`` nor
+    a ``wait`` timeout asks it to (a timeout leaves it running)."""
+
+    __slots__ = ()
+    _cancelable = False
 
 
 _STREAM = """
         ``stream`` (a CUDA stream object or raw handle, optional): the
         atomic is posted only once the work queued on it before the call
         finished.
+"""
+
+_TIMEOUT = """
+        ``timeout`` (seconds, optional): how long to wait at most; a
+        ``gpucx.TimeoutError`` then (the operation may still take effect at
+        the peer).
 """
 
 _RAISES = """
@@ -147,8 +165,12 @@ _RAISES = """
 
 
 def _make(name, op, fetch, doc):
-    def blocking(ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None):
-        return _run(ep, rkey, op, fetch, value, None, offset, nbytes, name, stream)
+    def blocking(
+        ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None, timeout=None
+    ):
+        return _run(
+            ep, rkey, op, fetch, value, None, offset, nbytes, name, stream, timeout
+        )
 
     def nonblocking(
         ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None
@@ -158,7 +180,7 @@ def _make(name, op, fetch, doc):
     ret = "the old value (unsigned)" if fetch else "None"
     blocking.__name__ = blocking.__qualname__ = name
     blocking.__doc__ = f"""{doc} Blocking; returns {ret}.
-{_STREAM}{_RAISES}"""
+{_STREAM}{_TIMEOUT}{_RAISES}"""
     nonblocking.__name__ = nonblocking.__qualname__ = name + "_nb"
     nonblocking.__doc__ = f"""{doc} Returns a Request whose ``wait()`` gives
         {ret}.
@@ -178,16 +200,28 @@ swap, swap_nb = _make("swap", _SWAP, 1, "Remote ``*p = value``.")
 
 
 def compare_swap(
-    ep, rkey, expected, new, offset: int = 0, nbytes: int = 8, *, stream=None
+    ep,
+    rkey,
+    expected,
+    new,
+    offset: int = 0,
+    nbytes: int = 8,
+    *,
+    stream=None,
+    timeout=None,
 ):
     """Remote ``if *p == expected: *p = new``.  Blocking; returns the old
     value (unsigned): the swap happened iff it equals ``expected``.
 
     ``stream`` (a CUDA stream object or raw handle, optional): the atomic is
     posted only once the work queued on it before the call finished.
+    ``timeout`` (seconds, optional): how long to wait at most.
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first (the swap may still take effect at
+        the peer).
     ValueError
         ``offset`` outside the remote region or not aligned to ``nbytes``,
         ``nbytes`` not 4 or 8, a value that does not fit, a read-only
@@ -204,7 +238,17 @@ def compare_swap(
         If the endpoint or the key is closed.
     """
     return _run(
-        ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap", stream
+        ep,
+        rkey,
+        _CSWAP,
+        1,
+        expected,
+        new,
+        offset,
+        nbytes,
+        "compare_swap",
+        stream,
+        timeout,
     )
 
 
