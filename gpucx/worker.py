@@ -206,6 +206,9 @@ class Worker(Handle):
     def connect(self, address, *, error_handling: bool = True, raw: bool = False):
         """Create an :class:`~gpucx.Endpoint` to a peer.
 
+        The call returns at once, as in UCX; an unreachable peer is reported
+        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
+
         Parameters
         ----------
         address : bytes or (str, int)
@@ -218,9 +221,6 @@ class Worker(Handle):
             ``address`` is a bare UCX worker address (from a program that
             does not use gpucx, or :attr:`ucx_address`): it has no gpucx
             trailer to verify, and its peer gets no liveness checks.
-
-        The call returns at once, as in UCX; an unreachable peer is reported
-        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
 
         Raises
         ------

@@ -23,12 +23,14 @@ __all__ = ["MemoryRegion", "register", "allocate"]
 
 
 class _HostView:
-    """Exports region memory to NumPy and keeps the region referenced."""
+    """Exports region memory to NumPy; keeps the region and the registered
+    object (the memory's owner, None for an allocated region) referenced."""
 
-    __slots__ = ("__array_interface__", "_region")
+    __slots__ = ("__array_interface__", "_region", "_obj")
 
     def __init__(self, region, typestr: str, shape: tuple[int, ...]):
         self._region = region
+        self._obj = region.obj
         self.__array_interface__ = {
             "version": 3,
             "shape": shape,
@@ -119,8 +121,11 @@ class MemoryRegion(Handle):
     def as_array(self, dtype=numpy.uint8, shape=None):
         """A NumPy (host) or CuPy (CUDA) array viewing the region.
 
-        The view keeps the region object referenced, but does not keep it
-        mapped: do not use views after :meth:`close` of an allocated region.
+        The view keeps the region object and, for a registered region, the
+        registered object referenced, so it stays valid after :meth:`close`
+        (the memory belongs to that object).  It does not keep the region
+        mapped: a view of an *allocated* region must not be used after
+        :meth:`close`, which frees UCX's allocation.
 
         Parameters
         ----------
@@ -182,7 +187,7 @@ def _cupy_view(region, dt, shape, need):
         import cupy
     except ImportError:
         raise UnsupportedError("viewing a CUDA region as an array needs CuPy") from None
-    mem = cupy.cuda.UnownedMemory(region.address, need, region)
+    mem = cupy.cuda.UnownedMemory(region.address, need, (region, region.obj))
     return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
 
 
