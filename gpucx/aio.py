@@ -15,9 +15,12 @@ outstanding it sleeps on the fd like the event mode.
 The loop's reader callback holds only a weak reference to the driver, and
 closing (or dropping) a worker removes its reader, so nothing leaks.
 
-Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``).
-:class:`Worker` and the :class:`Endpoint` objects it hands out add
-``a``-prefixed coroutines for each blocking operation.
+Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``): that is
+how any operation is awaited.  :class:`Worker` adds the coroutines
+``aaccept``, ``aconnect``, ``arecv`` and ``aflush``; the :class:`Endpoint`
+objects it hands out (from ``connect``, ``aconnect``, ``accept`` and
+``aaccept``) add ``asend`` and ``aflush``.  Every other operation is there in
+its blocking and ``_nb`` forms (await the ``_nb`` request).
 """
 
 from __future__ import annotations

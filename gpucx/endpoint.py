@@ -34,6 +34,8 @@ class Endpoint(Handle):
     _error_reason: str | None = None
     #: Created with peer error handling (UCX may be asked to force-close it).
     _peer_mode = True
+    #: Connected by ``(host, port)`` (UCX client/server wireup).
+    _sockaddr = False
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -93,6 +95,7 @@ class Endpoint(Handle):
         check(st, f"ucp_ep_create({peer})")
         ep = cls(worker, state, peer)
         ep._peer_mode = error_handling
+        ep._sockaddr = isinstance(address, tuple)
         if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
             ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
             _liveness.watch(worker, ep, ident.pid, ident.start_time)
@@ -139,7 +142,22 @@ class Endpoint(Handle):
         exc = peer_error_for(st, f"endpoint {self.peer}")
         if self._error_reason is not None:
             exc.args = (f"endpoint {self.peer}: {self._error_reason}",)
+        else:
+            exc.args = (exc.args[0] + self._failure_hint(),)
         return exc
+
+    def _failure_hint(self) -> str:
+        """What to check when UCX failed a ``(host, port)`` connection."""
+        if not self._sockaddr:
+            return ""
+        from ._lib import UCX_VERSION
+
+        return (
+            f" (if a listener runs there, check that it runs UCX "
+            f"{UCX_VERSION[0]}.{UCX_VERSION[1]} like this process: UCX's "
+            "client/server wireup does not cross UCX minor versions; "
+            "`gpucx info` shows the version)"
+        )
 
     @property
     def transports(self) -> list[tuple[str, str]]:

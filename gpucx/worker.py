@@ -214,6 +214,9 @@ class Worker(Handle):
     def connect(self, address, *, error_handling: bool = True, raw: bool = False):
         """Create an :class:`~gpucx.Endpoint` to a peer.
 
+        The call returns at once, as in UCX; an unreachable peer is reported
+        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
+
         Parameters
         ----------
         address : bytes or (str, int)
@@ -226,9 +229,6 @@ class Worker(Handle):
             ``address`` is a bare UCX worker address (from a program that
             does not use gpucx, or :attr:`ucx_address`): it has no gpucx
             trailer to verify, and its peer gets no liveness checks.
-
-        The call returns at once, as in UCX; an unreachable peer is reported
-        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
 
         Raises
         ------
@@ -335,7 +335,7 @@ class Worker(Handle):
         # Cancel what is still outstanding and give UCX a bounded time to
         # report back, so no callback writes into freed slots.
         for req in list(self._pending):
-            if req._slot.status == INPROGRESS:
+            if req._slot.status == INPROGRESS and req._cancelable:
                 lib.gpucx_slot_cancel(h, req._slot)
         end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
         while time.monotonic() < end and any(

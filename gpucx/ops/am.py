@@ -583,7 +583,15 @@ def _flags(reply, proto) -> int:
 
 
 def am_send(
-    ep, am_id: int, buf, header=b"", *, reply: bool = False, proto=None, stream=None
+    ep,
+    am_id: int,
+    buf,
+    header=b"",
+    *,
+    reply: bool = False,
+    proto=None,
+    stream=None,
+    timeout=None,
 ):
     """Send ``buf`` as an active message to handler ``am_id`` of the peer;
     return once ``buf`` is reusable.
@@ -603,9 +611,16 @@ def am_send(
     stream : stream object or int, optional
         A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the send is
         posted only once the work queued on it before the call finished.
+    timeout : float, optional
+        Seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     ValueError
         For a bad id, an unknown ``proto`` or an oversized header.
     gpucx.UnsupportedError
@@ -636,7 +651,7 @@ def am_send(
     if cu:
         _cuda.leave(cu)
     if st:
-        finish(w, slot, st, None, _SEND, ep, keep)
+        finish(w, slot, st, timeout, _SEND, ep, keep)
 
 
 def am_send_nb(

@@ -189,7 +189,7 @@ def _prepare(ep, arr):
     return obj, _pack(typestr, shape, int(buf.memory_type))
 
 
-def send_array(ep, arr, *, proto=None, stream=None) -> None:
+def send_array(ep, arr, *, proto=None, stream=None, timeout=None) -> None:
     """Send an array (dtype, shape and data) to the peer's ``recv_array``.
 
     Parameters
@@ -203,9 +203,16 @@ def send_array(ep, arr, *, proto=None, stream=None) -> None:
     stream : stream object or int, optional
         A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the send is
         posted only once the work queued on it before the call finished.
+    timeout : float, optional
+        Seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before the array is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps the array alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     ValueError
         For a non-contiguous device array or more than 64 dimensions.
     gpucx.UnsupportedError
@@ -220,7 +227,7 @@ def send_array(ep, arr, *, proto=None, stream=None) -> None:
     """
     obj, header = _prepare(ep, arr)
     flags = _am._flags(True, proto)
-    _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream).wait()
+    _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream).wait(timeout)
 
 
 def send_array_nb(ep, arr, *, proto=None, stream=None):

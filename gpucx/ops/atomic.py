@@ -135,10 +135,13 @@ def _fail(st, what, ep, emulate):
 class _AmoRequest(Request):
     """A Request whose refusal by the target reads as such."""
 
-    __slots__ = ("_emulate",)
+    __slots__ = ("_emulate", "_cancelable")
 
     def __init__(self, emulate: bool, *args):
         self._emulate = emulate
+        # UCX cannot cancel its own atomics (it aborts the process when asked
+        # to); gpucx's emulated ones cancel like any request.
+        self._cancelable = emulate
         super().__init__(*args)
 
     def _complete(self) -> None:
@@ -151,7 +154,9 @@ class _AmoRequest(Request):
                 self._value = exc
 
 
-def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
+def _run(
+    ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
+):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
@@ -179,7 +184,10 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
     )
     if st:
         if st == INPROGRESS:
-            st = block(w, ffi.addressof(amo, "slot"), None, (amo, rkey), ep)
+            # UCX cannot cancel its own atomics (it aborts the process when
+            # asked to): a timeout parks them, uncanceled.  gpucx's emulated
+            # ones are canceled like any request.
+            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep, emulate)
         if st:
             _fail(st, what, ep, emulate)
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
@@ -229,6 +237,12 @@ _STREAM = """
         finished.
 """
 
+_TIMEOUT = """
+        ``timeout`` (seconds, optional): how long to wait at most; a
+        ``gpucx.TimeoutError`` then (the operation may still take effect at
+        the peer).
+"""
+
 _RAISES = """
         Raises
         ------
@@ -257,8 +271,12 @@ _RAISES = """
 
 
 def _make(name, op, fetch, doc):
-    def blocking(ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None):
-        return _run(ep, rkey, op, fetch, value, None, offset, nbytes, name, stream)
+    def blocking(
+        ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None, timeout=None
+    ):
+        return _run(
+            ep, rkey, op, fetch, value, None, offset, nbytes, name, stream, timeout
+        )
 
     def nonblocking(
         ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None
@@ -268,7 +286,7 @@ def _make(name, op, fetch, doc):
     ret = "the old value (unsigned)" if fetch else "None"
     blocking.__name__ = blocking.__qualname__ = name
     blocking.__doc__ = f"""{doc} Blocking; returns {ret}.
-{_STREAM}{_RAISES}"""
+{_STREAM}{_TIMEOUT}{_RAISES}"""
     nonblocking.__name__ = nonblocking.__qualname__ = name + "_nb"
     nonblocking.__doc__ = f"""{doc} Returns a Request whose ``wait()`` gives
         {ret}.
@@ -288,16 +306,28 @@ swap, swap_nb = _make("swap", _SWAP, 1, "Remote ``*p = value``.")
 
 
 def compare_swap(
-    ep, rkey, expected, new, offset: int = 0, nbytes: int = 8, *, stream=None
+    ep,
+    rkey,
+    expected,
+    new,
+    offset: int = 0,
+    nbytes: int = 8,
+    *,
+    stream=None,
+    timeout=None,
 ):
     """Remote ``if *p == expected: *p = new``.  Blocking; returns the old
     value (unsigned): the swap happened iff it equals ``expected``.
 
     ``stream`` (a CUDA stream object or raw handle, optional): the atomic is
     posted only once the work queued on it before the call finished.
+    ``timeout`` (seconds, optional): how long to wait at most.
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first (the swap may still take effect at
+        the peer).
     ValueError
         ``offset`` outside the remote region or not aligned to ``nbytes``,
         ``nbytes`` not 4 or 8, a value that does not fit, a read-only
@@ -319,7 +349,17 @@ def compare_swap(
         If the endpoint or the key is closed.
     """
     return _run(
-        ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap", stream
+        ep,
+        rkey,
+        _CSWAP,
+        1,
+        expected,
+        new,
+        offset,
+        nbytes,
+        "compare_swap",
+        stream,
+        timeout,
     )
 
 

@@ -42,14 +42,20 @@ def _no_stream(ep):
     )
 
 
-def stream_send(ep, buf, *, stream=None) -> None:
+def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
     """Append ``buf`` to the endpoint's stream; return once it is reusable.
 
     ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
     whose queued work must finish before the operation is posted.
+    ``timeout``: seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -74,7 +80,7 @@ def stream_send(ep, buf, *, stream=None) -> None:
     if cu:
         _cuda.leave(cu)
     if st:
-        finish(w, slot, st, None, _SEND, ep, keep)
+        finish(w, slot, st, timeout, _SEND, ep, keep)
 
 
 def stream_send_nb(ep, buf, *, stream=None) -> Request:

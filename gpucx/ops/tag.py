@@ -76,16 +76,22 @@ _CHAR_ARRAY = ffi.typeof("char[]")
 _HOST = int(MemoryType.HOST)
 
 
-def send(ep, buf, tag: int = 0, *, stream=None) -> None:
+def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     """Send ``buf`` to the peer with ``tag``; return once ``buf`` is reusable.
 
     ``buf`` is any object :func:`gpucx.mem.as_buffer` accepts, or a list of
     them sent as one message.  ``stream`` (a CuPy/Numba/PyTorch stream or a
     raw handle): the send is posted only once the work queued on it before
-    the call has finished (the worker progresses meanwhile).
+    the call has finished (the worker progresses meanwhile).  ``timeout``:
+    seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -112,7 +118,7 @@ def send(ep, buf, tag: int = 0, *, stream=None) -> None:
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, False)
     elif type(buf) is list or type(buf) is tuple:
-        send_nb(ep, buf, tag, stream=stream).wait()
+        send_nb(ep, buf, tag, stream=stream).wait(timeout)
         return
     else:
         ptr, n, mt, keep = acquire(buf, False, stream)
@@ -128,7 +134,7 @@ def send(ep, buf, tag: int = 0, *, stream=None) -> None:
         if cu:
             _cuda.leave(cu)
     if st:
-        finish(w, slot, st, None, _SEND, ep, keep)
+        finish(w, slot, st, timeout, _SEND, ep, keep)
 
 
 def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Request:
