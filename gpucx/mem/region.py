@@ -9,6 +9,8 @@ peer put, get and run atomics on it.  Regions are children of their
 
 from __future__ import annotations
 
+import weakref
+
 import numpy
 
 from .._handle import Handle, raise_closed
@@ -59,7 +61,9 @@ class MemoryRegion(Handle):
         The registered object (held while mapped); None for allocations.
     """
 
-    def __init__(self, context, address, nbytes, memory_type, readonly, obj, alloc):
+    def __init__(
+        self, context, address, nbytes, memory_type, readonly, obj, alloc, within=None
+    ):
         self._init_handle()
         # Parents close children newest first; a negative serial puts regions
         # after every worker, so operations into region memory are drained
@@ -73,10 +77,16 @@ class MemoryRegion(Handle):
         self.obj = obj
         self._alloc = alloc
         self._packed: bytes | None = None
-        context._adopt(self)
+        #: The allocated region whose mapping this one shares (register()
+        #: of memory inside it), or None: it closes this one first and
+        #: unmaps; this one's close unmaps nothing.
+        self._within = within
+        (within if within is not None else context)._adopt(self)
 
     def __repr__(self) -> str:
         kind = "allocated" if self._alloc else "registered"
+        if self._within is not None:
+            kind += " (in an allocated region)"
         state = "closed" if self._h is None else f"{self.address:#x}+{self.nbytes}"
         return f"<gpucx.MemoryRegion {kind} {self.memory_type.name} {state}>"
 
@@ -170,9 +180,30 @@ class MemoryRegion(Handle):
 
     def _release(self) -> None:
         ctx = self._context
-        if ctx._h is not None:
+        if self._within is None and ctx._h is not None:
             lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
+        self._within = None
+
+
+def _allocated_host_regions(ctx):
+    """The open host regions ``ctx`` allocated (a weak set kept on it)."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if regions is None:
+        regions = weakref.WeakSet()
+        ctx._host_allocations = regions
+    return regions
+
+
+def _containing(ctx, ptr: int, nbytes: int):
+    """The open host region ``ctx`` allocated that holds ``[ptr, ptr+nbytes)``."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if not regions:
+        return None
+    for r in list(regions):
+        if r._h is not None and r.address <= ptr <= r.address + r.nbytes - nbytes:
+            return r
+    return None
 
 
 def _cupy_view(region, dt, shape, need):
@@ -235,6 +266,24 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
         raise ValueError("cannot register an empty buffer (0 bytes)")
+    if buf.memory_type == MemoryType.HOST:
+        parent = _containing(ctx, buf.ptr, buf.nbytes)
+        if parent is not None:
+            # Memory UCX allocated (shared memory a peer on this host maps):
+            # share its mapping, so the token carries the same keys and
+            # peers write into it directly instead of through emulation.
+            region = MemoryRegion(
+                ctx,
+                buf.ptr,
+                buf.nbytes,
+                buf.memory_type,
+                not writable,
+                buf.owner,
+                False,
+                within=parent,
+            )
+            region._h = parent._h
+            return region
     pushed = False
     if buf.memory_type in CUDA_TYPES:
         # UCX registers device memory in the current context: make the
@@ -317,6 +366,8 @@ def allocate(
         got_mt = mt
     region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
     region._h = memh
+    if got_mt == MemoryType.HOST:
+        _allocated_host_regions(ctx).add(region)
     return region
 
 
