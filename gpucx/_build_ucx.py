@@ -25,7 +25,7 @@ CDEFS = HERE / "_cdefs"
 # Per-area C helpers appended after _ucx_helpers.c, in this order.
 C_SOURCES = ["_ucx_helpers.c"] + [
     f"_csrc/{name}.c"
-    for name in ("am", "stream", "rma", "atomic", "bench")
+    for name in ("am", "stream", "rma", "atomic", "am_batch", "bench")
     if (HERE / "_csrc" / f"{name}.c").exists()
 ]
 
