@@ -10,6 +10,7 @@ from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
 from .ops import am as _am
+from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
@@ -236,6 +237,7 @@ class Endpoint(Handle):
     stream_recv_nb = _stream.stream_recv_nb
     am_send = _am.am_send
     am_send_nb = _am.am_send_nb
+    prepare_am = _am_batch.prepare_am
     send_array = _arrays.send_array
     send_array_nb = _arrays.send_array_nb
     recv_array = _arrays.recv_array

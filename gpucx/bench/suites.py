@@ -209,6 +209,26 @@ class Bench:
         )
 
 
+def spin_wait(sess, req, timeout: float):
+    """``req.wait(timeout)``, busy-polling the worker all the while.
+
+    ``Request.wait`` spins for ``GPUCX_SPIN_US`` and then sleeps on the
+    worker's event fd; a receiving side that sleeps makes the sender's
+    shared-memory transport signal it and wait for it to wake.
+    ``ucx_perftest``'s receiver polls without sleeping, so the bench's
+    receivers do too.  The deadline and the endpoint's health are checked
+    every 1000 polls; either ends in ``req.wait``, which raises.
+    """
+    end = time.monotonic() + timeout
+    ep = sess.ep
+    while True:
+        for _ in range(1000):
+            if req.done():
+                return req.wait(timeout)
+        if ep.error is not None or time.monotonic() > end:
+            return req.wait(max(end - time.monotonic(), 0.0))
+
+
 def c_slots(n: int):
     """Zeroed completion slots for a C timing loop."""
     return ffi.new("gpucx_slot_t[]", n)
@@ -470,7 +490,7 @@ class AmBw(_AmBase):
             return
         for nxt in (self.p.iters, 0):
             for req in self.posted:
-                req.wait(self.p.timeout)
+                spin_wait(self.s, req, self.p.timeout)
             self.posted = self._post(nxt)  # before the ack lets the client go
             self.ack_send()
 
@@ -549,8 +569,10 @@ class _RmaBase(Bench):
         }
 
     def serve(self) -> None:
-        # One-sided: the server only progresses until the client is done.
-        msg = self.s.recv_ctrl(self.p.timeout)
+        # One-sided: the server only progresses until the client is done,
+        # busy-polling as ucx_perftest's server does (UCX emulates RMA over
+        # shared memory with peer error handling: the target serves it).
+        msg = self.s.recv_ctrl(self.p.timeout, spin=True)
         if msg.get("op") != "fin":
             raise BenchSetupError(f"unexpected control message {quote(msg)}")
 
