@@ -146,6 +146,9 @@ def test_register_inside_allocated_region_read_only_and_lifetime(pair):
     view = whole.as_array()
     ro = pair.ctx.register(view[:100], writable=False)
     assert ro.readonly
+    # Read-only: its own mapping, without remote write permission, not the
+    # allocation's writable one.
+    assert ro._own_map and ro._h != whole._h
     key = pair.ab.unpack(ro.remote())
     with pytest.raises(ValueError, match="read-only"):
         pair.ab.put(b"x", key)

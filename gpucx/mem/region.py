@@ -104,6 +104,9 @@ class MemoryRegion(Handle):
         #: of memory inside it), or None: it closes this one first and
         #: unmaps; this one's close unmaps nothing.
         self._within = within
+        #: Whether ``_h`` is this region's own mapping (False when it shares
+        #: the containing region's).
+        self._own_map = within is None
         (within if within is not None else context)._adopt(self)
 
     def __repr__(self) -> str:
@@ -231,7 +234,7 @@ class MemoryRegion(Handle):
                 # No emulated atomic touches the memory once this returns.
                 lib.gpucx_amo_export_remove(ctx._amo_exports, id(self))
             memory = self._memory_ref() if self._memory_ref is not None else None
-            if self._within is not None:
+            if not self._own_map:
                 pass  # the mapping is the containing region's to unmap
             elif memory is not None and self.obj is None:
                 # Memory UCX allocated, still viewed: unmap it when the last
@@ -333,11 +336,13 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
         raise ValueError("cannot register an empty buffer (0 bytes)")
+    parent = None
     if buf.memory_type == MemoryType.HOST:
+        parent = _containing(ctx, buf.ptr, buf.nbytes)
         # Only a writable registration shares the (writable) mapping: a
-        # read-only one gets its own, mapped without remote write permission.
-        parent = _containing(ctx, buf.ptr, buf.nbytes) if writable else None
-        if parent is not None:
+        # read-only one gets its own, mapped without remote write permission,
+        # and still closes with the allocation, whose memory it is.
+        if parent is not None and writable:
             # Memory UCX allocated (shared memory a peer on this host maps):
             # share its mapping, so the token carries the same keys and
             # peers write into it directly instead of through emulation.
@@ -371,9 +376,17 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     finally:
         _cuda.leave(pushed)
     region = MemoryRegion(
-        ctx, buf.ptr, buf.nbytes, buf.memory_type, not writable, buf.owner, False
+        ctx,
+        buf.ptr,
+        buf.nbytes,
+        buf.memory_type,
+        not writable,
+        buf.owner,
+        False,
+        within=parent,
     )
     region._h = memh
+    region._own_map = True
     return region
 
 
