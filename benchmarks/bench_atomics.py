@@ -45,27 +45,35 @@ def _config(tls):
     return None if tls == "default" else {"TLS": tls}
 
 
-def owner(tls, conn):
+def owner(tls, conn, allocate=False):
     import gpucx
 
     with gpucx.Context(config=_config(tls)) as ctx:
         w = ctx.create_worker()
-        mem = np.zeros(1, np.uint64)
-        region = ctx.register(mem)
+        if allocate:
+            region = ctx.allocate(8)
+            mem = region.as_array(np.uint64)
+            mem[:] = 0
+        else:
+            mem = np.zeros(1, np.uint64)
+            region = ctx.register(mem)
         conn.send((w.address, region.remote().to_bytes()))
         while not conn.poll(0):
             for _ in range(1000):
                 w.progress()
         conn.recv()
         conn.send(int(mem[0]))
+        del mem
         region.close()
 
 
-def client(tls, n):
+def client(tls, n, allocate=False):
     import gpucx
 
     parent, child_conn = mp.get_context("spawn").Pipe()
-    child = mp.get_context("spawn").Process(target=owner, args=(tls, child_conn))
+    child = mp.get_context("spawn").Process(
+        target=owner, args=(tls, child_conn, allocate)
+    )
     child.start()
     out = {}
     total = 0
@@ -148,11 +156,16 @@ def main():
     ap.add_argument("--tls", default="default,tcp", help="families, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=20000, help="operations per figure")
+    ap.add_argument(
+        "--allocate",
+        action="store_true",
+        help="the counter in memory UCX allocates (ctx.allocate) instead of NumPy",
+    )
     args = ap.parse_args()
     for tls in args.tls.split(","):
         rows: dict = {}
         for _ in range(args.rounds):
-            g = client(tls, args.n)
+            g = client(tls, args.n, args.allocate)
             p = perftest(args.n, tls)
             for path in ("ucx", "emulated"):
                 rows.setdefault(f"{path} lat", []).append(g[(path, "lat")])
@@ -170,7 +183,8 @@ def main():
                 g[("emulated", "peak")] / g[("ucx", "peak")]
             )
         med = {k: statistics.median(v) for k, v in rows.items()}
-        print(f"\n### {tls} ({args.rounds} rounds, {args.n} ops per figure)\n")
+        mem = "ctx.allocate" if args.allocate else "NumPy"
+        print(f"\n### {tls}, {mem} ({args.rounds} rounds, {args.n} ops per figure)\n")
         print(
             "| path | blocking fetch_add p50 | fetch_add_nb rate, median batch "
             "| best batch |"

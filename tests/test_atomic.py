@@ -256,22 +256,25 @@ def test_two_processes_race_on_one_counter(tls, nbytes):
 
 
 @pytest.mark.timeout(60)
-def test_atomics_on_an_accepted_endpoint_without_error_handling():
-    """Listener.accept(error_handling=False) gives an endpoint UCX can run
-    atomics on (UCX has no atomic protocol with peer error handling)."""
-    with gpucx.Context(features={"tag", "rma", "amo"}) as ctx:
+@pytest.mark.parametrize("eh", [False, True], ids=["ucx", "emulated"])
+def test_atomics_on_an_accepted_endpoint(eh):
+    """Listener.accept(error_handling=False) gives an endpoint UCX runs
+    atomics on; the default one (peer error handling, no UCX protocol) runs
+    gpucx's emulation."""
+    with gpucx.Context(features={"tag", "rma", "amo", "am"}) as ctx:
         owner, user = ctx.create_worker(), ctx.create_worker()
         lst = owner.listen(host="127.0.0.1")
-        ep = user.connect(("127.0.0.1", lst.port), error_handling=False)
+        ep = user.connect(("127.0.0.1", lst.port), error_handling=eh)
         back = None
         for _ in range(2000):
             user.progress()
             try:
-                back = lst.accept(timeout=0.005, error_handling=False)
+                back = lst.accept(timeout=0.005, error_handling=eh)
                 break
             except gpucx.TimeoutError:
                 pass
         assert back is not None
+        assert atomic_ops.emulated(back) == eh
         counter = np.zeros(1, np.uint64)
         with ctx.register(counter) as region:
             rkey = back.unpack(region.remote())

@@ -9,6 +9,7 @@ peer put, get and run atomics on it.  Regions are children of their
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy
@@ -51,9 +52,12 @@ class _HostView:
         }
 
 
-def _unmap_later(ctx, ctx_h, memh) -> None:
+def _unmap_later(ctx, ctx_h, memh, pid) -> None:
     """The last view of a closed region allocated by UCX is gone: unmap it,
-    and finish the context's cleanup if that waited for it."""
+    and finish the context's cleanup if that waited for it.  Never in a
+    forked child (the UCX state belongs to the parent)."""
+    if os.getpid() != pid:
+        return
     lib.gpucx_mem_unmap(ctx_h, memh)
     ctx._deferred_maps -= 1
     if ctx._deferred_maps == 0 and ctx._cleanup_deferred:
@@ -240,7 +244,9 @@ class MemoryRegion(Handle):
                 # Memory UCX allocated, still viewed: unmap it when the last
                 # view is gone (the context's cleanup waits for that too).
                 ctx._deferred_maps += 1
-                weakref.finalize(memory, _unmap_later, ctx, ctx._h, self._h)
+                weakref.finalize(
+                    memory, _unmap_later, ctx, ctx._h, self._h, os.getpid()
+                )
             else:
                 lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
