@@ -90,3 +90,74 @@ async def test_client_to_an_unreachable_scheduler_times_out_with_oserror():
         addr = s.address
     with pytest.raises(OSError, match="Timed out trying to connect"):
         await Client(addr, asynchronous=True, timeout=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dask_scheduler_and_worker_cli_over_gpucx(tmp_path):
+    """``dask scheduler --protocol gpucx`` and ``dask worker gpucx://...``."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import time
+
+    dask_cli = os.path.join(os.path.dirname(sys.executable), "dask")
+    log = tmp_path / "scheduler.log"
+    procs = []
+    try:
+        with open(log, "w") as f:
+            procs.append(
+                subprocess.Popen(
+                    [
+                        dask_cli,
+                        "scheduler",
+                        "--protocol",
+                        "gpucx",
+                        "--port",
+                        "0",
+                        "--host",
+                        "127.0.0.1",
+                        "--no-dashboard",
+                    ],
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        addr = None
+        deadline = time.monotonic() + 60
+        while addr is None and time.monotonic() < deadline:
+            m = re.search(r"Scheduler at:\s+(gpucx://\S+)", log.read_text())
+            addr = m.group(1) if m else None
+            time.sleep(0.2)
+        assert addr, log.read_text()
+        procs.append(
+            subprocess.Popen(
+                [
+                    dask_cli,
+                    "worker",
+                    addr,
+                    "--nthreads",
+                    "1",
+                    "--no-nanny",
+                    "--no-dashboard",
+                    "--host",
+                    "127.0.0.1",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        with Client(addr, timeout=30) as c:
+            c.wait_for_workers(1, timeout=60)
+            assert all(w.startswith("gpucx://") for w in c.scheduler_info()["workers"])
+            assert c.submit(inc, 1).result(timeout=30) == 2
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

@@ -381,7 +381,10 @@ async def test_peer_killed_fails_pending_read_and_write(tls):
         with dask.config.set({"distributed-gpucx.tls": tls}):
             comm = await connect(addr, timeout=20)
             ours.get(30)
-            transports = {t for t, _ in comm._ep.transports}
+            # A peer on this host gets a data endpoint (shared memory).
+            assert comm._dep is not comm._ep
+            await comm._dep.aflush()
+            transports = {t for t, _ in comm._dep.transports}
             if tls == "sm,tcp":
                 assert transports & {"sysv", "posix", "cma"}, transports
             reader = asyncio.ensure_future(comm.read())

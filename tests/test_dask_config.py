@@ -38,7 +38,7 @@ def test_schema_refuses_unknown_keys_and_bad_values():
 
 
 def test_defaults_are_registered_with_dask():
-    assert dask.config.get("distributed-gpucx.connect-timeout") == "5s"
+    assert any("distributed-gpucx" in d for d in dask.config.defaults)
     s = rt.settings()
     assert s.connect_timeout == 5 and s.close_timeout == 2
     assert s.inline_threshold == 16 * 1024

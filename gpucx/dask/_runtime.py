@@ -40,6 +40,10 @@ _EARLY_MAX = 1024
 #: client's control buffer size.
 HELLO = struct.Struct("<4sB3xQQIQ16sQI")
 HELLO_MAGIC = b"GXDH"
+#: A HELLO or WELCOME may end with the sender's gpucx worker address (at
+#: most this many bytes): the peer on the same host then opens a data
+#: endpoint to it (see ``data_endpoint``).
+ADDRESS_MAX = 4096
 #: WELCOME (listener -> client, tag server->client): magic, version,
 #: listener identity, listener's control buffer size.
 WELCOME = struct.Struct("<4sB3xIQ16sQI")
@@ -55,6 +59,7 @@ class Settings(NamedTuple):
     device_allocator: str
     limits: Limits
     ctrl_cap: int
+    data_endpoints: bool
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -107,7 +112,14 @@ def settings() -> Settings:
     # the inline bytes; longer tables travel as their own message.
     ctrl_cap = 20 + 4096 * 9 + inline
     return Settings(
-        ct, cl, inline, cfg["progress"], cfg["device-allocator"], limits, ctrl_cap
+        ct,
+        cl,
+        inline,
+        cfg["progress"],
+        cfg["device-allocator"],
+        limits,
+        ctrl_cap,
+        bool(cfg["same-host-data-endpoints"]),
     )
 
 
@@ -129,18 +141,21 @@ def context_config() -> dict[str, Any]:
     return out
 
 
-_ctx: gpucx.Context | None = None
-_ctx_pid = 0
+_contexts: dict = {}  # (pid, config) -> gpucx.Context
 _workers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def context() -> gpucx.Context:
-    """This process's comm context (made on first use)."""
-    global _ctx, _ctx_pid
-    if _ctx is None or _ctx_pid != os.getpid() or _ctx._h is None:
-        _ctx = gpucx.Context(features={"tag", "am"}, config=context_config())
-        _ctx_pid = os.getpid()
-    return _ctx
+    """This process's comm context for the current configuration (made on
+    first use; a forked child makes its own)."""
+    cfg = context_config()
+    key = (os.getpid(), repr(sorted(cfg.items())))
+    ctx = _contexts.get(key)
+    if ctx is None or ctx._h is None:
+        for k in [k for k in _contexts if k[0] != key[0]]:
+            del _contexts[k]  # a parent's, after a fork: not ours to use
+        ctx = _contexts[key] = gpucx.Context(features={"tag", "am"}, config=cfg)
+    return ctx
 
 
 class LoopWorker:
@@ -269,3 +284,32 @@ def device_allocator(name: str):
     if not mod:
         raise RuntimeError(f"distributed-gpucx.device-allocator: unknown {name!r}")
     return getattr(importlib.import_module(mod), attr)
+
+
+def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
+    """An endpoint for a peer on this host, made from its worker address
+    without peer error handling, so UCX may move large frames with
+    single-copy ``cma`` (error-handling endpoints leave shared memory only
+    its copy-through-FIFO path).  Its failures are caught by gpucx's
+    liveness check of the peer process (the address is framed) and by the
+    connection's sentinel.  None for a peer elsewhere, or when the address
+    is not a gpucx worker address.
+    """
+    from gpucx._address import Identity, is_local
+
+    if not address or not is_local(Identity(pid, start, boot, ns)):
+        return None
+    try:
+        ep = lw.w.connect(bytes(address), error_handling=False)
+    except gpucx.UCXError:
+        return None
+    return gpucx.aio.Endpoint(ep, lw.aw._drv)
+
+
+def close_data_endpoint(dep) -> None:
+    """Close a data endpoint: a short flush close (a force close is not
+    allowed without peer error handling, unless the peer died)."""
+    try:
+        dep.close(timeout=0.05)
+    except Exception:
+        pass

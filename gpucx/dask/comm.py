@@ -96,10 +96,14 @@ class GpucxComm(Comm):
         peer_addr: str,
         settings: rt.Settings,
         deserialize: bool = True,
+        data_ep=None,
     ):
         super().__init__(deserialize=deserialize)
         self._lw = lw
         self._ep = ep
+        # Messages go over the data endpoint of a peer on this host, else
+        # over the connection's own endpoint (which also carries the sentinel).
+        self._dep = data_ep if data_ep is not None else ep
         self._w = lw.w
         self._rtag = rtag
         self._stag = stag
@@ -114,6 +118,7 @@ class GpucxComm(Comm):
         self._sentinel = sentinel
         self._released = False
         self._consumed = False
+        self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
         self._watch = asyncio.ensure_future(self._watch_peer())
@@ -132,9 +137,34 @@ class GpucxComm(Comm):
         if self._closed or self._broken is not None:
             return
         self._broken = reason
+        if not self._failed.done():
+            self._failed.set_result(reason)
         for req in list(self._recvs):
             req.cancel()
+        dep = self._dep
+        if dep is not None and dep is not self._ep and dep.endpoint._h is not None:
+            # No peer error handling there: fail its operations now (UCX
+            # would not), as gpucx's liveness check would a moment later.
+            from gpucx import _liveness
+
+            _liveness.peer_died(self._w, dep.endpoint, reason)
         self._lw.aw._drv.kick()
+
+    async def _await_frame(self, req) -> None:
+        """Await a frame receive, racing the peer's failure: a receive that
+        already matched a dead peer's message over the data endpoint (no
+        peer error handling) cannot be canceled in UCX and would not end."""
+        if self._dep is self._ep or req.done():
+            await req
+            return
+        task = asyncio.ensure_future(_await(req))
+        done, _ = await asyncio.wait(
+            {task, self._failed}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task not in done:
+            task.cancel()
+            raise CommClosedError(f"{self}: {self._broken}")
+        task.result()
 
     async def _recv(self, buf):
         req = self._w.recv_nb(buf, self._rtag)
@@ -199,7 +229,7 @@ class GpucxComm(Comm):
                         r.cancel()
                 try:
                     for r in reqs:
-                        await r
+                        await self._await_frame(r)
                 finally:
                     self._recvs.difference_update(reqs)
         except BaseException as exc:
@@ -263,7 +293,7 @@ class GpucxComm(Comm):
                     kinds[i] = fr.INLINE
                     inline.append(frames[i])
                     room -= size
-        ep = self._ep
+        ep = self._dep
         tag = self._stag
         reqs = []
         if separate_table:
@@ -293,8 +323,8 @@ class GpucxComm(Comm):
             if self._drain():
                 self._peer_closed = True  # nothing to tell the peer
             elif self._broken is None and self._ep.endpoint._h is not None:
-                req = self._ep.send_nb(fr.close_message(), self._stag)
-                await asyncio.wait_for(self._ep.aflush(), self._settings.close_timeout)
+                req = self._dep.send_nb(fr.close_message(), self._stag)
+                await asyncio.wait_for(self._dep.aflush(), self._settings.close_timeout)
                 await req
                 self._close_sent = True
         except (Exception, asyncio.TimeoutError):
@@ -328,7 +358,7 @@ class GpucxComm(Comm):
         if self._broken is not None or self._peer_closed or self._close_sent:
             return
         try:
-            req = self._ep.send_nb(fr.close_message(), self._stag)
+            req = self._dep.send_nb(fr.close_message(), self._stag)
             if req.done() and req.exception() is None:
                 self._close_sent = True
         except Exception:
@@ -368,6 +398,9 @@ class GpucxComm(Comm):
             self._send_close()
             self._consume_sentinel()
             self._ep = None
+            dep, self._dep = self._dep, None
+            if dep is not ep:
+                rt.close_data_endpoint(dep)
             try:
                 ep.close(force=True)
             except Exception:  # already gone with its worker
@@ -460,10 +493,10 @@ class GpucxConnector(Connector):
                 boot,
                 ns,
                 s.ctrl_cap,
-            )
+            ) + (lw.w.address if s.data_endpoints else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
             sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
-            welcome = bytearray(rt.WELCOME.size)
+            welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
             task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag))
             try:
                 info = await _first(
@@ -476,7 +509,7 @@ class GpucxConnector(Connector):
                 welcome
             )
             if (
-                info.nbytes != rt.WELCOME.size
+                info.nbytes < rt.WELCOME.size
                 or magic != rt.WELCOME_MAGIC
                 or version != rt.PROTOCOL_VERSION
             ):
@@ -485,6 +518,8 @@ class GpucxConnector(Connector):
                     f"{version}; this gpucx speaks {rt.PROTOCOL_VERSION})"
                 )
             rt.watch_peer(lw, ep, ppid, pstart, pboot, pns)
+            peer_address = bytes(welcome[rt.WELCOME.size : info.nbytes])
+            dep = rt.data_endpoint(lw, peer_address, ppid, pstart, pboot, pns)
             local = _addr(ep.local_sockaddr)
             comm = GpucxComm(
                 lw,
@@ -497,6 +532,7 @@ class GpucxConnector(Connector):
                 PREFIX + address,
                 s,
                 deserialize,
+                dep,
             )
             ok = True
             return comm
@@ -572,10 +608,13 @@ class GpucxListener(BaseListener):
         lw.refs += 1
         comm = None
         sentinel = None
+        dep = None
         try:
             hello = await asyncio.wait_for(lw.hello_for(ep.endpoint), s.connect_timeout)
+            n = rt.HELLO.size
+            ok_len = n <= len(hello) <= n + rt.ADDRESS_MAX
             magic, version, rtag, stag, pid, start, boot, ns, peer_cap = (
-                rt.HELLO.unpack(hello) if len(hello) == rt.HELLO.size else (b"",) * 9
+                rt.HELLO.unpack_from(hello) if ok_len else (b"",) * 9
             )
             if (
                 magic != rt.HELLO_MAGIC
@@ -587,10 +626,13 @@ class GpucxListener(BaseListener):
                 raise fr.FramingError("malformed gpucx:// HELLO")
             sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
             me = rt.identity()
-            await ep.asend(
-                rt.WELCOME.pack(rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap),
-                stag,
-            )
+            dep = None
+            if s.data_endpoints:
+                dep = rt.data_endpoint(lw, hello[n:], pid, start, boot, ns)
+            welcome = rt.WELCOME.pack(
+                rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
+            ) + (lw.w.address if dep is not None else b"")
+            await ep.asend(welcome, stag)
             rt.watch_peer(lw, ep, pid, start, boot, ns)
             comm = GpucxComm(
                 lw,
@@ -603,11 +645,14 @@ class GpucxListener(BaseListener):
                 _addr(ep.remote_sockaddr),
                 s,
                 self.deserialize,
+                dep,
             )
             lw.refs += 1  # the comm's own reference
         except BaseException as exc:
             if sentinel is not None:
                 sentinel.cancel()
+            if dep is not None:
+                rt.close_data_endpoint(dep)
             lw.forget(ep.endpoint)
             try:
                 ep.close(force=True)
