@@ -273,7 +273,7 @@ class Endpoint(Handle):
 
     # -- lifetime -------------------------------------------------------------
 
-    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
+    def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint.  Safe to call twice.
 
         By default a flush close: gpucx waits until every operation issued on

@@ -120,8 +120,13 @@ class MemoryRegion(Handle):
         state = "closed" if self._h is None else f"{self.address:#x}+{self.nbytes}"
         return f"<gpucx.MemoryRegion {kind} {self.memory_type.name} {state}>"
 
-    def pack_rkey(self) -> bytes:
-        """The packed UCX remote key of this region (``ucp_rkey_pack``).
+    def ucx_rkey(self) -> bytes:
+        """The bare packed UCX remote key of this region (``ucp_rkey_pack``),
+        for a peer that does not use gpucx.
+
+        Not what :meth:`Endpoint.unpack` takes: that is the self-describing
+        :meth:`remote` token (address, size, memory type and this key).
+        ``pack_rkey()`` is the older name of this method.
 
         Raises
         ------
@@ -157,6 +162,9 @@ class MemoryRegion(Handle):
             self._packed = packed
         return self._packed
 
+    #: Older name of :meth:`ucx_rkey`.
+    pack_rkey = ucx_rkey
+
     def remote(self) -> RemoteMemory:
         """The token a peer unpacks with :meth:`Endpoint.unpack`.
 
@@ -165,7 +173,7 @@ class MemoryRegion(Handle):
         gpucx.ClosedError
             If the region is closed.
         """
-        rkey = self.pack_rkey()
+        rkey = self.ucx_rkey()
         return RemoteMemory(
             self.address, self.nbytes, self.memory_type, rkey, self.readonly
         )

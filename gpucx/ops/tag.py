@@ -312,23 +312,33 @@ def recv_nb(
 
 
 class ProbedMessage:
-    """A message taken off the unexpected queue by ``probe(remove=True)``.
+    """A message :func:`probe` found: its ``tag`` and ``nbytes``, and how to
+    receive it.
 
-    It must be received with :meth:`recv` or :meth:`recv_nb` (UCX holds it
-    until then).
+    ``removed`` is True for ``probe(remove=True)``: the message was taken off
+    UCX's unexpected queue and must be received with :meth:`recv` or
+    :meth:`recv_nb` (UCX holds it until then).  With ``remove=False`` it
+    stays queued: :meth:`recv` posts a receive for its exact tag (which
+    takes it, the oldest message with that tag), or receive it any other
+    way.  ``tag, nbytes = probed`` unpacks like a :class:`RecvInfo`.
     """
 
-    __slots__ = ("tag", "nbytes", "_msg", "_worker", "_taken")
+    __slots__ = ("tag", "nbytes", "removed", "_msg", "_worker", "_taken")
 
-    def __init__(self, worker, tag: int, nbytes: int, msg):
+    def __init__(self, worker, tag: int, nbytes: int, msg, removed: bool = True):
         self.tag = tag
         self.nbytes = nbytes
+        self.removed = removed
         self._msg = msg
         self._worker = worker
         self._taken = False
 
     def __repr__(self) -> str:
-        return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes}>"
+        how = "removed" if self.removed else "queued"
+        return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes} {how}>"
+
+    def __iter__(self):
+        return iter((self.tag, self.nbytes))
 
     def recv_nb(self, buf, *, stream=None) -> Request:
         """Start receiving the message into ``buf``.
@@ -357,6 +367,12 @@ class ProbedMessage:
             raise_closed(w)
         if self._taken:
             raise AlreadyReceivedError("this probed message was already received")
+
+            raise RuntimeError("this probed message was already received")
+        if not self.removed:
+            req = recv_nb(w, buf, self.tag, TAG_MASK_FULL, stream=stream)
+            self._taken = True
+            return req
         ptr, n, mt, keep = acquire(buf, True, stream)
         cu = (mt != _HOST or stream is not None) and _cuda.prepare(
             w, ptr, mt, stream, _RECV
@@ -387,9 +403,10 @@ class ProbedMessage:
 def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False):
     """Check for a matching message that arrived and was not received yet.
 
-    Progresses the worker once.  Returns None when there is none; otherwise
-    :class:`RecvInfo` (``remove=False``, the message stays queued) or a
-    :class:`ProbedMessage` to receive (``remove=True``).
+    Progresses the worker once.  Returns None when there is none, otherwise
+    a :class:`ProbedMessage` (``tag``, ``nbytes``, ``recv()``): with
+    ``remove=False`` the message stays queued, with ``remove=True`` UCX
+    hands it over and it must be received through the ProbedMessage.
 
     Raises
     ------
@@ -408,6 +425,6 @@ def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = Fa
         raise _bad_tag(tag, tag_mask) from None
     if not found:
         return None
-    if remove:
-        return ProbedMessage(worker, info.sender_tag, info.length, msg[0])
-    return RecvInfo(info.sender_tag, info.length)
+    return ProbedMessage(
+        worker, info.sender_tag, info.length, msg[0] if remove else None, remove
+    )
