@@ -91,8 +91,6 @@ def validate(opts: BenchOptions) -> None:
             raise BenchSetupError(
                 f"unknown test {name!r}: choose from {', '.join(TESTS)}"
             )
-
-
     if opts.api not in APIS:
         raise BenchSetupError(
             f"--api must be one of {', '.join(APIS)}, not {opts.api!r}"
@@ -106,11 +104,6 @@ def validate(opts: BenchOptions) -> None:
                 f"--api prepared measures {' and '.join(PREPARED_TESTS)} only, "
                 f"not {', '.join(other)}"
             )
-    if "fadd_lat" in opts.tests and opts.error_handling:
-        raise BenchSetupError(
-            "fadd_lat needs --no-error-handling: UCX (>= 1.19) offers no atomic "
-            "operations on endpoints with peer error handling"
-        )
     if opts.iters is not None and not 1 <= opts.iters <= MAX_ITERS:
         raise BenchSetupError(f"--iters must be in [1, {MAX_ITERS}], not {opts.iters}")
     if opts.warmup is not None and not 0 <= opts.warmup <= MAX_ITERS:

@@ -367,8 +367,6 @@ class ProbedMessage:
             raise_closed(w)
         if self._taken:
             raise AlreadyReceivedError("this probed message was already received")
-
-            raise RuntimeError("this probed message was already received")
         if not self.removed:
             req = recv_nb(w, buf, self.tag, TAG_MASK_FULL, stream=stream)
             self._taken = True
