@@ -567,7 +567,7 @@ class GpucxListener(BaseListener):
         self.allow_offload = allow_offload
         self.default_host = default_host
         self._lw: rt.LoopWorker | None = None
-        self._lst = None
+        self._lst: gpucx.aio.Listener | None = None
         self._accept_task: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()
         self._stopped = False
