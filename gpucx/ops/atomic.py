@@ -151,7 +151,7 @@ class _AmoRequest(Request):
                 self._value = exc
 
 
-def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
+def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
@@ -179,7 +179,7 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
     )
     if st:
         if st == INPROGRESS:
-            st = block(w, ffi.addressof(amo, "slot"), None, (amo, rkey), ep)
+            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep)
         if st:
             _fail(st, what, ep, emulate)
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
@@ -229,6 +229,12 @@ _STREAM = """
         finished.
 """
 
+_TIMEOUT = """
+        ``timeout`` (seconds, optional; blocking forms): give up waiting
+        after that long (``gpucx.TimeoutError``).  The operation may still
+        be applied at the target.
+"""
+
 _RAISES = """
         Raises
         ------
@@ -257,8 +263,12 @@ _RAISES = """
 
 
 def _make(name, op, fetch, doc):
-    def blocking(ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None):
-        return _run(ep, rkey, op, fetch, value, None, offset, nbytes, name, stream)
+    def blocking(
+        ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None, timeout=None
+    ):
+        return _run(
+            ep, rkey, op, fetch, value, None, offset, nbytes, name, stream, timeout
+        )
 
     def nonblocking(
         ep, rkey, value, offset: int = 0, nbytes: int = 8, *, stream=None
@@ -268,7 +278,9 @@ def _make(name, op, fetch, doc):
     ret = "the old value (unsigned)" if fetch else "None"
     blocking.__name__ = blocking.__qualname__ = name
     blocking.__doc__ = f"""{doc} Blocking; returns {ret}.
-{_STREAM}{_RAISES}"""
+{_STREAM}{_TIMEOUT}{_RAISES}        gpucx.TimeoutError
+            When ``timeout`` passes first.
+"""
     nonblocking.__name__ = nonblocking.__qualname__ = name + "_nb"
     nonblocking.__doc__ = f"""{doc} Returns a Request whose ``wait()`` gives
         {ret}.
@@ -288,13 +300,23 @@ swap, swap_nb = _make("swap", _SWAP, 1, "Remote ``*p = value``.")
 
 
 def compare_swap(
-    ep, rkey, expected, new, offset: int = 0, nbytes: int = 8, *, stream=None
+    ep,
+    rkey,
+    expected,
+    new,
+    offset: int = 0,
+    nbytes: int = 8,
+    *,
+    stream=None,
+    timeout=None,
 ):
     """Remote ``if *p == expected: *p = new``.  Blocking; returns the old
     value (unsigned): the swap happened iff it equals ``expected``.
 
     ``stream`` (a CUDA stream object or raw handle, optional): the atomic is
     posted only once the work queued on it before the call finished.
+    ``timeout`` (seconds, optional): give up waiting after that long; the
+    operation may still be applied at the target.
 
     Raises
     ------
@@ -317,9 +339,21 @@ def compare_swap(
         If the peer died or is unreachable.
     gpucx.ClosedError
         If the endpoint or the key is closed.
+    gpucx.TimeoutError
+        When ``timeout`` passes first.
     """
     return _run(
-        ep, rkey, _CSWAP, 1, expected, new, offset, nbytes, "compare_swap", stream
+        ep,
+        rkey,
+        _CSWAP,
+        1,
+        expected,
+        new,
+        offset,
+        nbytes,
+        "compare_swap",
+        stream,
+        timeout,
     )
 
 
