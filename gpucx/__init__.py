@@ -1,16 +1,21 @@
 """gpucx: move array data between processes and GPUs through UCX.
 
-The public names; everything else is internal.  See the user guide in
-``docs/`` and the contract in ``DESIGN.md``.
+The public names; everything else is internal.  The guides are in ``docs/``
+(built with the API reference by ``mkdocs build``: see ``mkdocs.yml``).
+``gpucx.aio`` (asyncio) is imported on first use as an attribute, or with
+``import gpucx.aio``.
 """
 
+from ._bounds import QueueStats
 from ._lib import UCX_VERSION
 from ._version import __version__
 from .context import Context
 from .endpoint import Endpoint
 from .errors import (
+    AlreadyReceivedError,
     CanceledError,
     ClosedError,
+    DroppedMessagesWarning,
     InvalidAddressError,
     MessageTruncatedError,
     PeerError,
@@ -19,10 +24,12 @@ from .errors import (
     UnsupportedError,
 )
 from .listener import Listener
+from .mem.cuda import DriverError
 from .mem.memtype import MemoryType
 from .mem.region import MemoryRegion
 from .mem.remote import RemoteKey, RemoteMemory
 from .ops.am import AmMessage
+from .ops.rma import NOTIFY_MAX, Transfer
 from .ops.tag import TAG_MASK_FULL, ProbedMessage
 from .request import RecvInfo, Request
 from .worker import Worker
@@ -42,7 +49,9 @@ __all__ = [
     "MemoryRegion",
     "RemoteMemory",
     "RemoteKey",
+    "Transfer",
     "TAG_MASK_FULL",
+    "NOTIFY_MAX",
     "UCXError",
     "ClosedError",
     "CanceledError",
@@ -51,4 +60,18 @@ __all__ = [
     "TimeoutError",
     "UnsupportedError",
     "InvalidAddressError",
+    "AlreadyReceivedError",
+    "DroppedMessagesWarning",
+    "QueueStats",
+    "DriverError",
 ]
+
+
+def __getattr__(name: str):
+    # ``gpucx.aio`` without ``import gpucx.aio``: imported on first use, so
+    # ``import gpucx`` does not pull in asyncio.
+    if name == "aio":
+        import importlib
+
+        return importlib.import_module(".aio", __name__)
+    raise AttributeError(f"module 'gpucx' has no attribute {name!r}")

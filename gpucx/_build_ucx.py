@@ -22,12 +22,27 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 CDEFS = HERE / "_cdefs"
 
-# Per-area C helpers appended after _ucx_helpers.c, in this order.
+# Per-area C helpers appended after _ucx_helpers.c, in this order.  Every one
+# must be there: a missing source is a build error, never skipped.
 C_SOURCES = ["_ucx_helpers.c"] + [
     f"_csrc/{name}.c"
-    for name in ("am", "stream", "rma", "atomic", "bench")
-    if (HERE / "_csrc" / f"{name}.c").exists()
+    for name in ("am", "stream", "rma", "atomic", "am_batch", "bench", "sockaddr")
 ]
+
+
+def _check_sources():
+    """Fail the build, naming every missing file, if a source is not there."""
+    needed = [HERE / name for name in C_SOURCES] + [CDEFS / "__init__.py"]
+    if needed[-1].is_file():
+        order = runpy.run_path(str(needed[-1]))["MODULES"]
+        needed += [CDEFS / f"{name}.py" for name in order]
+    missing = [str(p.relative_to(HERE.parent)) for p in needed if not p.is_file()]
+    if missing:
+        raise RuntimeError(
+            "cannot build gpucx._ucx: missing source file(s) "
+            + ", ".join(missing)
+            + " (an sdist without them is incomplete: see MANIFEST.in)"
+        )
 
 
 def _package_version():
@@ -76,6 +91,7 @@ def _load_cdefs():
 
 
 def build_ffi():
+    _check_sources()
     include_dir, lib_dir, prefix = _ucx_location()
     includes, cdef = _load_cdefs()
     source = includes + "\n".join((HERE / name).read_text() for name in C_SOURCES)

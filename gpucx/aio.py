@@ -15,9 +15,12 @@ outstanding it sleeps on the fd like the event mode.
 The loop's reader callback holds only a weak reference to the driver, and
 closing (or dropping) a worker removes its reader, so nothing leaks.
 
-Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``).
-:class:`Worker` and the :class:`Endpoint` objects it hands out add
-``a``-prefixed coroutines for each blocking operation.
+Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``): that is
+how any operation is awaited.  :class:`Worker` adds the coroutines
+``aaccept``, ``aconnect``, ``arecv`` and ``aflush``; the :class:`Endpoint`
+objects it hands out (from ``connect``, ``aconnect``, ``accept`` and
+``aaccept``) add ``asend`` and ``aflush``.  Every other operation is there in
+its blocking and ``_nb`` forms (await the ``_nb`` request).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from .errors import TimeoutError as GpucxTimeoutError
 from .ops.tag import TAG_MASK_FULL
 from .request import INPROGRESS, Request, new_slot
 
-__all__ = ["Worker", "Endpoint", "ProgressThread", "wait_request"]
+__all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 
 _MODES = ("event", "poll")
 #: How long an await busy-polls in C before it parks on a future, per mode:
@@ -280,15 +283,63 @@ class Endpoint:
             raise_closed(ep)
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
-    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
+    def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
-        self._ep.close(force, timeout=timeout)
+        self._ep.close(force=force, timeout=timeout)
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._ep.close()
+
+
+class Listener:
+    """Async face of a :class:`gpucx.Listener` (from :meth:`Worker.listen`):
+    its peers come as async :class:`Endpoint` objects.  Every other
+    attribute is the blocking listener's."""
+
+    __slots__ = ("_lst", "_aw")
+
+    def __init__(self, listener, worker: Worker):
+        self._lst = listener
+        self._aw = worker
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lst, name)
+
+    def __repr__(self) -> str:
+        return f"<gpucx.aio.Listener {self._lst!r}>"
+
+    @property
+    def listener(self):
+        """The underlying blocking-API :class:`gpucx.Listener`."""
+        return self._lst
+
+    def accept(
+        self, timeout: float | None = None, *, error_handling: bool = True
+    ) -> Endpoint:
+        """:meth:`gpucx.Listener.accept` (blocking), returning the async
+        :class:`Endpoint`."""
+        ep = self._lst.accept(timeout, error_handling=error_handling)
+        return Endpoint(ep, self._aw._drv)
+
+    async def aaccept(
+        self, timeout: float | None = None, *, error_handling: bool = True
+    ) -> Endpoint:
+        """Wait for the next peer on this listener (see
+        :meth:`Worker.aaccept`)."""
+        return await self._aw.aaccept(self._lst, timeout, error_handling=error_handling)
+
+    def close(self) -> None:
+        """Close the listener."""
+        self._lst.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lst.close()
 
 
 class Worker:
@@ -344,11 +395,21 @@ class Worker:
 
     # -- connections ----------------------------------------------------------
 
-    def listen(self, port: int = 0, host: str = "0.0.0.0"):
-        """Start listening; :meth:`aaccept` returns the peers."""
+    def listen(self, port: int = 0, host: str = "0.0.0.0") -> Listener:
+        """Start listening; :meth:`aaccept` (or the listener's ``accept``
+        and ``aaccept``) returns the peers as :class:`Endpoint` objects."""
         lst = self._worker.listen(port, host)
         self._listeners.append(lst)
-        return lst
+        return Listener(lst, self)
+
+    def connect(
+        self, address, *, error_handling: bool = True, raw: bool = False
+    ) -> Endpoint:
+        """:meth:`gpucx.Worker.connect`, returning the async
+        :class:`Endpoint` (returns at once; :meth:`aconnect` waits for a
+        ``(host, port)`` connection to be up)."""
+        ep = self._worker.connect(address, error_handling=error_handling, raw=raw)
+        return Endpoint(ep, self._drv)
 
     async def aaccept(
         self,
@@ -366,6 +427,8 @@ class Worker:
         gpucx.TimeoutError
             When ``timeout`` passes first.
         """
+        if isinstance(listener, Listener):
+            listener = listener.listener
         if listener is None:
             live = [lst for lst in self._listeners if not lst.closed]
             if len(live) != 1:
@@ -392,10 +455,7 @@ class Worker:
         connection is established, so an unreachable peer raises
         :class:`~gpucx.PeerError` here.
         """
-        ep = Endpoint(
-            self._worker.connect(address, error_handling=error_handling, raw=raw),
-            self._drv,
-        )
+        ep = self.connect(address, error_handling=error_handling, raw=raw)
         if isinstance(address, tuple):
             try:
                 await ep.aflush()

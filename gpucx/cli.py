@@ -108,10 +108,18 @@ def _bench_parser(sub) -> None:
     )
     p.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     p.add_argument(
+        "--api",
+        choices=("c", "python", "prepared"),
+        default="c",
+        help="the path measured: c (default: loops in C, the transport's "
+        "speed), python (the Request API, one call per message), prepared "
+        "(put_bw/get_bw through prepared transfer lists, ep.prepare_put)",
+    )
+    p.add_argument(
         "--async",
         dest="use_async",
         action="store_true",
-        help="use the non-blocking Request API instead of C loops",
+        help="same as --api python",
     )
     p.add_argument(
         "--tls", default=None, help="UCX transports (UCX_TLS), e.g. tcp or sm,self"
@@ -198,6 +206,7 @@ def _bench_options(args):
         memory=parse_memory(args.memory),
         device=args.device,
         use_async=args.use_async,
+        api=args.api,
         tls=args.tls,
         error_handling=not args.no_error_handling,
         client=args.client,

@@ -10,6 +10,7 @@ from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
 from .ops import am as _am
+from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
@@ -34,6 +35,8 @@ class Endpoint(Handle):
     _error_reason: str | None = None
     #: Created with peer error handling (UCX may be asked to force-close it).
     _peer_mode = True
+    #: Connected by ``(host, port)`` (UCX client/server wireup).
+    _sockaddr = False
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -93,6 +96,7 @@ class Endpoint(Handle):
         check(st, f"ucp_ep_create({peer})")
         ep = cls(worker, state, peer)
         ep._peer_mode = error_handling
+        ep._sockaddr = isinstance(address, tuple)
         if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
             ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
             _liveness.watch(worker, ep, ident.pid, ident.start_time)
@@ -139,7 +143,22 @@ class Endpoint(Handle):
         exc = peer_error_for(st, f"endpoint {self.peer}")
         if self._error_reason is not None:
             exc.args = (f"endpoint {self.peer}: {self._error_reason}",)
+        else:
+            exc.args = (exc.args[0] + self._failure_hint(),)
         return exc
+
+    def _failure_hint(self) -> str:
+        """What to check when UCX failed a ``(host, port)`` connection."""
+        if not self._sockaddr:
+            return ""
+        from ._lib import UCX_VERSION
+
+        return (
+            f" (if a listener runs there, check that it runs UCX "
+            f"{UCX_VERSION[0]}.{UCX_VERSION[1]} like this process: UCX's "
+            "client/server wireup does not cross UCX minor versions; "
+            "`gpucx info` shows the version)"
+        )
 
     @property
     def transports(self) -> list[tuple[str, str]]:
@@ -157,6 +176,36 @@ class Endpoint(Handle):
             (ffi.string(names[2 * i]).decode(), ffi.string(names[2 * i + 1]).decode())
             for i in range(n)
         ]
+
+    @property
+    def local_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of this side of the connection (``ucp_ep_query``),
+        for endpoints made by a ``(host, port)`` connect or a listener; None
+        for one made from a worker address."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[0]
+
+    @property
+    def remote_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the peer's side of the connection (see
+        :attr:`local_sockaddr`)."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[1]
+
+    def _sockaddrs(self):
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        local = ffi.new("char[]", 64)
+        remote = ffi.new("char[]", 64)
+        lport = ffi.new("int *")
+        rport = ffi.new("int *")
+        if lib.gpucx_ep_sockaddrs(h, local, remote, 64, lport, rport) != 0:
+            return None
+        return (
+            (ffi.string(local).decode(), lport[0]),
+            (ffi.string(remote).decode(), rport[0]),
+        )
 
     def flush(self, timeout: float | None = None) -> None:
         """Complete all operations issued on this endpoint at the peer.
@@ -188,6 +237,7 @@ class Endpoint(Handle):
     stream_recv_nb = _stream.stream_recv_nb
     am_send = _am.am_send
     am_send_nb = _am.am_send_nb
+    prepare_am = _am_batch.prepare_am
     send_array = _arrays.send_array
     send_array_nb = _arrays.send_array_nb
     recv_array = _arrays.recv_array
@@ -223,7 +273,7 @@ class Endpoint(Handle):
 
     # -- lifetime -------------------------------------------------------------
 
-    def close(self, force: bool = False, *, timeout: float | None = None) -> None:
+    def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint.  Safe to call twice.
 
         By default a flush close: gpucx waits until every operation issued on

@@ -13,7 +13,6 @@ that UCX never writes into memory Python has freed.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import namedtuple
 from concurrent.futures import InvalidStateError
@@ -37,8 +36,9 @@ OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 CANCELED = lib.UCS_ERR_CANCELED
 
-#: How long the C wait loop spins before sleeping on the event fd.
-SPIN_NS = int(float(os.environ.get("GPUCX_SPIN_US", "5000")) * 1000)
+#: How long the C wait loop spins before sleeping on the event fd, by
+#: default; each worker uses its context's ``GPUCX_SPIN_US`` (``_spin_ns``).
+SPIN_NS = 5_000_000
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
 #: How long a canceled operation may take to report back when its worker
@@ -78,8 +78,14 @@ def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
     return min(_SLICE_MS, max(1, int(left * 1000)))
 
 
-def block(worker, slot, timeout: float | None, keep: Any = None, ep=None) -> int:
+def block(
+    worker, slot, timeout: float | None, keep: Any = None, ep=None, cancel=True
+) -> int:
     """Progress ``worker`` until ``slot`` completes; return its status.
+
+    ``cancel=False`` for operations UCX cannot cancel (atomics: UCX aborts
+    the process when asked to cancel a software atomic): on timeout they are
+    parked without a cancel request.
 
     Raises
     ------
@@ -99,7 +105,7 @@ def block(worker, slot, timeout: float | None, keep: Any = None, ep=None) -> int
         worker._sslot = new_slot()
     try:
         while True:
-            st = lib.gpucx_wait(h, slot, SPIN_NS)
+            st = lib.gpucx_wait(h, slot, worker._spin_ns)
             if st != INPROGRESS:
                 return st
             worker._poll_events()
@@ -112,11 +118,11 @@ def block(worker, slot, timeout: float | None, keep: Any = None, ep=None) -> int
             if st != INPROGRESS:
                 return st
     except BaseException:
-        abandon(worker, slot, keep)
+        abandon(worker, slot, keep, cancel)
         raise
 
 
-def abandon(worker, slot, keep: Any = None) -> None:
+def abandon(worker, slot, keep: Any = None, cancel: bool = True) -> None:
     """Cancel a pending operation and wait (bounded) until UCX lets go of it.
 
     If UCX does not report back within ``_CANCEL_DRAIN_S`` (a send, which UCX
@@ -126,7 +132,8 @@ def abandon(worker, slot, keep: Any = None) -> None:
     if slot.status != INPROGRESS or worker._h is None:
         lib.gpucx_slot_release(slot)
         return
-    lib.gpucx_slot_cancel(worker._h, slot)
+    if cancel:
+        lib.gpucx_slot_cancel(worker._h, slot)
     end = time.monotonic() + _CANCEL_DRAIN_S
     while slot.status == INPROGRESS and time.monotonic() < end:
         lib.gpucx_wait(worker._h, slot, 1_000_000)
@@ -158,6 +165,8 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
         exc = peer_error_for(ep._state.error, what)
         if ep._error_reason is not None:  # gpucx found the peer dead
             exc.args = (f"{what}: {ep._error_reason}",)
+        else:
+            exc.args = (exc.args[0] + ep._failure_hint(),)
         raise exc
     exc = error_for(st, what)
     if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
@@ -198,8 +207,12 @@ class Request:
     finished; ``wait(timeout)`` blocks until it did and returns its result (or
     raises its error); ``result()`` returns the result of a finished request;
     ``cancel()`` asks UCX to cancel it (it then fails with
-    :class:`~gpucx.CanceledError`).  Inside asyncio a request is awaitable.
+    :class:`~gpucx.CanceledError`; ``cancelled()`` says whether it did).
+    Inside asyncio a request is awaitable.
     """
+
+    #: False for operations UCX cannot cancel (atomics).
+    _cancelable = True
 
     __slots__ = (
         "_slot",
@@ -292,7 +305,7 @@ class Request:
 
                     raise_closed(w)
                 try:
-                    block(w, self._slot, timeout, None, self._ep)
+                    block(w, self._slot, timeout, None, self._ep, self._cancelable)
                 except BaseException:
                     if self._state:  # failed while waiting (a dead peer)
                         raise self._value from None
@@ -329,8 +342,11 @@ class Request:
         return self._value if self._state == 2 else None
 
     def cancel(self) -> bool:
-        """Ask UCX to cancel the operation; True if it was still pending."""
-        if self._state or self._slot.status != INPROGRESS:
+        """Ask UCX to cancel the operation; True if it was still pending.
+
+        Atomics cannot be canceled (UCX has no way to withdraw one): for them
+        this returns False and the operation goes on."""
+        if self._state or self._slot.status != INPROGRESS or not self._cancelable:
             return False
         w = self._worker
         if w._h is None:
@@ -342,10 +358,15 @@ class Request:
             self._complete()
         return True
 
+    def cancelled(self) -> bool:
+        """True when the request finished because it was canceled (spelled as
+        :meth:`concurrent.futures.Future.cancelled`)."""
+        return self._state == 2 and isinstance(self._value, CanceledError)
+
     @property
     def canceled(self) -> bool:
-        """True when the request finished because it was canceled."""
-        return self._state == 2 and isinstance(self._value, CanceledError)
+        """Alias of :meth:`cancelled` as a property (kept for old code)."""
+        return self.cancelled()
 
     def __await__(self):
         from . import aio

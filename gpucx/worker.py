@@ -6,7 +6,7 @@ import time
 import weakref
 from typing import Any
 
-from . import _address
+from . import _address, _bounds
 from . import _liveness as _live
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
@@ -35,6 +35,7 @@ class Worker(Handle):
 
     _is_worker = True
     _amq: Any  # the C active-message queue (gpucx.ops.am.attach)
+    _am: Any  # its Python bookkeeping (gpucx.ops.am._AmWorker)
 
     def __init__(self, context, thread_mode: str = "single"):
         h = context._h
@@ -66,6 +67,7 @@ class Worker(Handle):
         # (pid, start time), checked at most every _peer_interval seconds.
         self._watched: dict = {}
         self._peer_interval = context._peer_interval
+        self._spin_ns = context._spin_ns
         self._peer_check_at = 0.0
         self._peer_tick = _live.PROGRESS_STRIDE
         # Requests pending when gpucx force-closed a dead peer's endpoint:
@@ -100,8 +102,10 @@ class Worker(Handle):
         n = lib.ucp_worker_progress(h)
         if self._amq.tail:  # active messages queued: run their handlers
             _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.count:
+        if self._notify_handler is not None and self._notify_q.stat.count:
             _rma.dispatch_notifications(self)
+        if self._amq.drops != self._am.drops_seen:  # a queue cap dropped some
+            _bounds.dropped(self)
         if self._watched:  # peers on this host: look at them now and then
             self._peer_tick -= 1
             if self._peer_tick <= 0:
@@ -116,8 +120,10 @@ class Worker(Handle):
         operations UCX has let go of."""
         if self._amq.tail:
             _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.count:
+        if self._notify_handler is not None and self._notify_q.stat.count:
             _rma.dispatch_notifications(self)
+        if self._amq.drops != self._am.drops_seen:
+            _bounds.dropped(self)
         if self._watched:
             _live.check(self)
         elif self._parked:
@@ -208,6 +214,9 @@ class Worker(Handle):
     def connect(self, address, *, error_handling: bool = True, raw: bool = False):
         """Create an :class:`~gpucx.Endpoint` to a peer.
 
+        The call returns at once, as in UCX; an unreachable peer is reported
+        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
+
         Parameters
         ----------
         address : bytes or (str, int)
@@ -220,9 +229,6 @@ class Worker(Handle):
             ``address`` is a bare UCX worker address (from a program that
             does not use gpucx, or :attr:`ucx_address`): it has no gpucx
             trailer to verify, and its peer gets no liveness checks.
-
-        The call returns at once, as in UCX; an unreachable peer is reported
-        by the first operation (or :meth:`Endpoint.flush`) as ``PeerError``.
 
         Raises
         ------
@@ -283,6 +289,21 @@ class Worker(Handle):
         self._reply_eps[key] = ep
         return ep
 
+    def stats(self) -> dict[str, _bounds.QueueStats]:
+        """Counters of the queues peers can fill, by name: ``"am_kept"``,
+        ``"am_queue"``, ``"notify"`` and ``"arrays"`` (each a
+        :class:`~gpucx.QueueStats`: held now, caps, dropped so far).  See
+        docs/reliability.md, "Bounded queues".
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the worker is closed.
+        """
+        if self._h is None:
+            raise_closed(self)
+        return _bounds.stats(self)
+
     # -- put-with-notify, owner side (facade over gpucx.ops.rma) --------------
 
     notifications = _rma.notifications
@@ -314,7 +335,7 @@ class Worker(Handle):
         # Cancel what is still outstanding and give UCX a bounded time to
         # report back, so no callback writes into freed slots.
         for req in list(self._pending):
-            if req._slot.status == INPROGRESS:
+            if req._slot.status == INPROGRESS and req._cancelable:
                 lib.gpucx_slot_cancel(h, req._slot)
         end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
         while time.monotonic() < end and any(

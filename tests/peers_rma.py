@@ -31,7 +31,13 @@ def owner(tls, chan, nbytes, allocate):
     """
     with gpucx.Context(config=transport_config(tls)) as ctx:
         w = ctx.create_worker()
-        if allocate:
+        if allocate == "view":
+            # Registered memory inside an allocated region: shares its keys.
+            whole = ctx.allocate(nbytes + 8192)
+            mem = whole.as_array(np.uint8)[4096 : 4096 + nbytes]
+            mem[:] = 0
+            region = ctx.register(mem)
+        elif allocate:
             region = ctx.allocate(nbytes)
             mem = region.as_array(np.uint8)
             mem[:] = 0

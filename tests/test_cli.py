@@ -340,6 +340,9 @@ def test_info_text():
     assert ".".join(map(str, g.UCX_VERSION)) in p.stdout
     assert "memory types" in p.stdout and "HOST" in p.stdout
     assert "tcp/" in p.stdout and "CUDA" in p.stdout
+    minor = ".".join(map(str, g.UCX_VERSION[:2]))
+    assert f"peer on UCX {minor}.x" in p.stdout
+    assert "does not cross UCX minor versions" in p.stdout
 
 
 def test_info_json():

@@ -31,7 +31,7 @@ def test_sends_finished_at_post_are_settled_distinct_requests(pair, tls):
     for r in reqs:
         assert isinstance(r, Request)
         assert r.done() and r.result() is None and r.wait() is None
-        assert r.exception() is None and not r.canceled and not r.cancel()
+        assert r.exception() is None and not r.cancelled() and not r.cancel()
         assert "done" in repr(r)
     assert len({id(r) for r in reqs}) == len(reqs)
     # The messages did go out.

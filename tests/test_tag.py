@@ -172,7 +172,7 @@ def test_cancel_pending_receive(pair):
     assert req.cancel()
     with pytest.raises(gpucx.CanceledError):
         req.wait(5)
-    assert req.canceled
+    assert req.cancelled()
     assert not req.cancel()
 
 
@@ -193,9 +193,10 @@ def test_probe_peek_and_remove(pair):
         info = pair.b.probe(tag=21)
         if info:
             break
-    assert info == gpucx.RecvInfo(21, 8)
+    assert isinstance(info, gpucx.ProbedMessage) and not info.removed
+    assert (info.tag, info.nbytes) == tuple(info) == (21, 8)
     msg = pair.b.probe(tag=21, remove=True)
-    assert isinstance(msg, gpucx.ProbedMessage)
+    assert isinstance(msg, gpucx.ProbedMessage) and msg.removed
     assert (msg.tag, msg.nbytes) == (21, 8)
     assert pair.b.probe(tag=21) is None
     out = bytearray(msg.nbytes)

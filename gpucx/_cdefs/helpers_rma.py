@@ -22,8 +22,7 @@ typedef struct gpucx_notice {
 } gpucx_notice_t;
 
 typedef struct gpucx_notify_q {
-    size_t count;
-    size_t dropped;
+    gpucx_qstat_t stat;
     ...;
 } gpucx_notify_q_t;
 
@@ -83,6 +82,9 @@ ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep, int is_get,
 ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q);
 gpucx_notice_t *gpucx_notify_pop(gpucx_notify_q_t *q);
 void gpucx_notify_clear(gpucx_notify_q_t *q);
+void gpucx_notify_setup(gpucx_notify_q_t *q, size_t max_count, size_t max_bytes,
+                        uint64_t *drops);
+void gpucx_notify_stats(gpucx_notify_q_t *q, gpucx_qstat_t *out);
 size_t gpucx_notify_wait(ucp_worker_h worker, gpucx_notify_q_t *q,
                          uint64_t spin_ns);
 

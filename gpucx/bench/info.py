@@ -11,7 +11,7 @@ import subprocess
 
 import gpucx
 
-__all__ = ["collect", "format_info", "parse_ucx_info"]
+__all__ = ["collect", "format_info", "parse_ucx_info", "sockaddr_note"]
 
 
 def parse_ucx_info(text: str) -> list[dict]:
@@ -48,6 +48,16 @@ def parse_ucx_info(text: str) -> list[dict]:
         elif key == "Device" and transport is not None:
             cur["transports"].append([transport, value])
     return domains
+
+
+def sockaddr_note(ucx_version: str) -> str:
+    """What a ``(host, port)`` peer must run: the same UCX minor version."""
+    minor = ".".join(ucx_version.split(".")[:2])
+    return (
+        f"(host, port) connections (worker.listen / connect) need the peer on "
+        f"UCX {minor}.x too: UCX's client/server wireup does not cross UCX "
+        "minor versions"
+    )
 
 
 def _cuda_driver() -> str | None:
@@ -112,6 +122,7 @@ def format_info(info: dict) -> str:
     lines = [
         f"gpucx        {info['gpucx_version']}",
         f"UCX          {info['ucx_version']} ({info['ucx_library_dir']})",
+        f"  note: {sockaddr_note(info['ucx_version'])}",
         f"memory types {', '.join(info['memory_types']) or '-'}",
     ]
     cuda = info["cuda"]

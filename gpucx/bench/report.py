@@ -72,6 +72,7 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
         "BW GB/s",
         "msg/s",
     ]
+    head.append("api")
     if with_perftest:
         head += ["perftest lat med us", "perftest GB/s", "gpucx/perftest"]
     rows = [head]
@@ -85,6 +86,7 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
             _num(r["latency_avg_us"], ".2f"),
             _num(r["bandwidth_gbs"], ".3f"),
             _num(r["msg_rate"], ",.0f"),
+            r.get("api", "c"),
         ]
         if with_perftest:
             pt = r.get("perftest") or {}
@@ -115,6 +117,10 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
         "fadd_lat: the whole fetch-and-add; put_lat: half of put + flush.",
         "Bandwidth tests: lat avg = time per message; GB/s = 1e9 bytes/s.",
     ]
+    for api in sorted({r.get("api", "c") for r in results}):
+        path = next(r.get("api_path") for r in results if r.get("api", "c") == api)
+        if path:
+            notes.append(f"api {api}: {path} (--api c|python|prepared).")
     if with_perftest:
         notes.append(
             "gpucx/perftest: bandwidth ratio for *_bw tests, perftest median "

@@ -20,7 +20,17 @@ from .session import (
     spawn_local,
 )
 from .sizes import format_size
-from .suites import DEFAULT_TESTS, MAX_ITERS, MAX_TIMEOUT, MAX_WINDOW, TESTS, Params
+from .suites import (
+    API_PATHS,
+    APIS,
+    DEFAULT_TESTS,
+    MAX_ITERS,
+    MAX_TIMEOUT,
+    MAX_WINDOW,
+    PREPARED_TESTS,
+    TESTS,
+    Params,
+)
 
 __all__ = ["BenchOptions", "validate", "plan", "run_bench", "default_iters"]
 
@@ -37,7 +47,10 @@ class BenchOptions:
     window: int = 32
     memory: tuple[str, str] = ("host", "host")
     device: int = 0
+    #: Deprecated spelling of api="python".
     use_async: bool = False
+    #: The path measured: "c", "python" or "prepared" (see suites.API_PATHS).
+    api: str = "c"
     tls: str | None = None
     error_handling: bool = True
     client: str | None = None
@@ -45,6 +58,11 @@ class BenchOptions:
     vs_perftest: bool = False
     plot: str | None = None
     progress: bool = True
+
+
+def _api(opts: BenchOptions) -> str:
+    """The path measured (``use_async=True`` is the older ``api="python"``)."""
+    return "python" if opts.use_async and opts.api == "c" else opts.api
 
 
 def default_iters(size: int, kind: str) -> int:
@@ -72,6 +90,19 @@ def validate(opts: BenchOptions) -> None:
         if name not in TESTS:
             raise BenchSetupError(
                 f"unknown test {name!r}: choose from {', '.join(TESTS)}"
+            )
+    if opts.api not in APIS:
+        raise BenchSetupError(
+            f"--api must be one of {', '.join(APIS)}, not {opts.api!r}"
+        )
+    if opts.api != "c" and opts.use_async and opts.api != "python":
+        raise BenchSetupError(f"--async means --api python, not --api {opts.api}")
+    if opts.api == "prepared":
+        other = [t for t in opts.tests if t not in PREPARED_TESTS]
+        if other:
+            raise BenchSetupError(
+                f"--api prepared measures {' and '.join(PREPARED_TESTS)} only, "
+                f"not {', '.join(other)}"
             )
     if opts.iters is not None and not 1 <= opts.iters <= MAX_ITERS:
         raise BenchSetupError(f"--iters must be in [1, {MAX_ITERS}], not {opts.iters}")
@@ -127,8 +158,9 @@ def plan(opts: BenchOptions) -> list[Params]:
                     window=opts.window,
                     client_mem=opts.memory[0],
                     server_mem=opts.memory[1],
-                    use_async=opts.use_async,
+                    use_async=_api(opts) != "c",
                     timeout=opts.timeout,
+                    api=_api(opts),
                 )
             )
     return points
@@ -187,6 +219,8 @@ def run_point(sess: Session, p: Params) -> dict:
         "window": p.window if test.kind == "bw" else 1,
         "memory": f"{p.client_mem}:{p.server_mem}",
         "mode": "async" if p.use_async else "blocking",
+        "api": p.api,
+        "api_path": API_PATHS[p.api],
         "latency_note": test.latency_note,
         **figures,
     }
@@ -273,6 +307,7 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
         "environment": environment(transports, opts.tls),
         "options": {
             **dataclasses.asdict(opts),
+            "api": _api(opts),
             "tests": list(opts.tests),
             "sizes": list(opts.sizes) if opts.sizes else None,
         },

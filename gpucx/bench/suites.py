@@ -30,7 +30,17 @@ from .memory import MEMORY_KINDS, BenchSetupError, alloc
 from .session import ACK_TAG, DATA_TAG, BadControlMessage, quote, reply_field
 from .sizes import MAX_SIZE
 
-__all__ = ["TESTS", "DEFAULT_TESTS", "Params", "Bench", "MAX_ITERS", "MAX_WINDOW"]
+__all__ = [
+    "TESTS",
+    "DEFAULT_TESTS",
+    "Params",
+    "Bench",
+    "MAX_ITERS",
+    "MAX_WINDOW",
+    "APIS",
+    "API_PATHS",
+    "PREPARED_TESTS",
+]
 
 #: Most iterations (and warm-up iterations) of one point.
 MAX_ITERS = 1 << 32
@@ -38,6 +48,16 @@ MAX_ITERS = 1 << 32
 MAX_WINDOW = 1 << 16
 #: Longest per-point ``timeout`` in seconds.
 MAX_TIMEOUT = 1e6
+#: The paths ``gpucx bench --api`` measures (see Params.api), and the tests
+#: that have a prepared-list path.
+APIS = ("c", "python", "prepared")
+PREPARED_TESTS = ("put_bw", "get_bw")
+API_PATHS = {
+    "c": "C loop (gpucx/_csrc/bench.c): the transport's speed",
+    "python": "Python API, one Request per message",
+    "prepared": "prepared transfer lists (ep.prepare_put/prepare_get), "
+    "one C call per list",
+}
 
 #: Active-message id the AM tests use.
 AM_ID = 7
@@ -58,6 +78,10 @@ class Params:
     server_mem: str = "host"
     use_async: bool = False
     timeout: float = 120.0
+    #: Which path is measured: "c" (loops in C), "python" (the Request API,
+    #: one call per message) or "prepared" (put_bw/get_bw through prepared
+    #: transfer lists, ``ep.prepare_put``).  ``use_async`` is True unless "c".
+    api: str = "c"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,6 +127,10 @@ class Params:
         if "use_async" in d and not isinstance(d["use_async"], bool):
             raise ValueError(
                 f"params: use_async must be true or false, not {quote(d['use_async'])}"
+            )
+        if "api" in d and d["api"] not in APIS:
+            raise ValueError(
+                f"params: api must be one of {', '.join(APIS)}, not {quote(d['api'])}"
             )
         if "timeout" in d:
             t = d["timeout"]
@@ -207,6 +235,26 @@ class Bench:
         self.s.worker.recv(
             numpy.zeros(1, numpy.uint64), tag=ACK_TAG, timeout=self.p.timeout
         )
+
+
+def spin_wait(sess, req, timeout: float):
+    """``req.wait(timeout)``, busy-polling the worker all the while.
+
+    ``Request.wait`` spins for ``GPUCX_SPIN_US`` and then sleeps on the
+    worker's event fd; a receiving side that sleeps makes the sender's
+    shared-memory transport signal it and wait for it to wake.
+    ``ucx_perftest``'s receiver polls without sleeping, so the bench's
+    receivers do too.  The deadline and the endpoint's health are checked
+    every 1000 polls; either ends in ``req.wait``, which raises.
+    """
+    end = time.monotonic() + timeout
+    ep = sess.ep
+    while True:
+        for _ in range(1000):
+            if req.done():
+                return req.wait(timeout)
+        if ep.error is not None or time.monotonic() > end:
+            return req.wait(max(end - time.monotonic(), 0.0))
 
 
 def c_slots(n: int):
@@ -470,7 +518,7 @@ class AmBw(_AmBase):
             return
         for nxt in (self.p.iters, 0):
             for req in self.posted:
-                req.wait(self.p.timeout)
+                spin_wait(self.s, req, self.p.timeout)
             self.posted = self._post(nxt)  # before the ack lets the client go
             self.ack_send()
 
@@ -539,6 +587,8 @@ class StreamBw(Bench):
 
 class _RmaBase(Bench):
     features = frozenset({"tag", "rma"})
+    #: Whether the server busy-polls while the client runs (see serve()).
+    serve_spin = False
 
     def prepare(self) -> dict:
         self.target = self.buffer()
@@ -550,7 +600,7 @@ class _RmaBase(Bench):
 
     def serve(self) -> None:
         # One-sided: the server only progresses until the client is done.
-        msg = self.s.recv_ctrl(self.p.timeout)
+        msg = self.s.recv_ctrl(self.p.timeout, spin=self.serve_spin)
         if msg.get("op") != "fin":
             raise BenchSetupError(f"unexpected control message {quote(msg)}")
 
@@ -627,7 +677,38 @@ class _RmaBw(_RmaBase):
         self.remote_addr = addr
         return super().run(extra)
 
+    def _prepared_phase(self, rmem, n: int) -> int:
+        """``n`` puts or gets as prepared transfer lists of ``window``
+        entries: one C call posts a list, two lists in flight at a time."""
+        ep, t = self.s.ep, self.p.timeout
+        window = max(1, self.p.window)
+        prepare = ep.prepare_get if self.get else ep.prepare_put
+        full, rest = divmod(n, window)
+        lists = [prepare([(self.local, rmem, 0)] * window)] if full else []
+        tail = prepare([(self.local, rmem, 0)] * rest) if rest else None
+        try:
+            t0 = _perf_ns()
+            prev = None
+            runs = [lists[0]] * full if full else []
+            if tail is not None:
+                runs.append(tail)
+            for xfer in runs:
+                req = xfer.run_nb()
+                if prev is not None:
+                    prev.wait(t)
+                prev = req
+            if prev is not None:
+                prev.wait(t)
+            ep.flush(timeout=t)
+            return _perf_ns() - t0
+        finally:
+            for xfer in [*lists, tail]:
+                if xfer is not None:
+                    xfer.close()
+
     def _phase(self, rmem, n: int) -> int:
+        if self.p.api == "prepared":
+            return self._prepared_phase(rmem, n)
         rkey = None if self.p.use_async else rkey_handle(rmem)
         if rkey is not None:
             return self._c_phase(rmem, rkey, n)
@@ -661,6 +742,12 @@ class GetBw(_RmaBw):
     perftest = "ucp_get"
     op = "get_nb"
     get = 1
+    # Over shared memory with peer error handling UCX emulates gets with
+    # messages the target answers: the server busy-polls, as ucx_perftest's
+    # does.  Puts into memory from ctx.allocate are plain copies into the
+    # mapped segment there; a spinning server would only take CPU from the
+    # client, so put_bw's server sleeps on the event fd between checks.
+    serve_spin = True
 
 
 class PutLat(_RmaBase):

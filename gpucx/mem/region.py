@@ -87,7 +87,9 @@ class MemoryRegion(Handle):
         The registered object (held while mapped); None for allocations.
     """
 
-    def __init__(self, context, address, nbytes, memory_type, readonly, obj, alloc):
+    def __init__(
+        self, context, address, nbytes, memory_type, readonly, obj, alloc, within=None
+    ):
         self._init_handle()
         # Parents close children newest first; a negative serial puts regions
         # after every worker, so operations into region memory are drained
@@ -102,15 +104,29 @@ class MemoryRegion(Handle):
         self._alloc = alloc
         self._packed: bytes | None = None
         self._memory_ref = None  # weakref to the _Memory views hold
-        context._adopt(self)
+        #: The allocated region whose mapping this one shares (register()
+        #: of memory inside it), or None: it closes this one first and
+        #: unmaps; this one's close unmaps nothing.
+        self._within = within
+        #: Whether ``_h`` is this region's own mapping (False when it shares
+        #: the containing region's).
+        self._own_map = within is None
+        (within if within is not None else context)._adopt(self)
 
     def __repr__(self) -> str:
         kind = "allocated" if self._alloc else "registered"
+        if self._within is not None:
+            kind += " (in an allocated region)"
         state = "closed" if self._h is None else f"{self.address:#x}+{self.nbytes}"
         return f"<gpucx.MemoryRegion {kind} {self.memory_type.name} {state}>"
 
-    def pack_rkey(self) -> bytes:
-        """The packed UCX remote key of this region (``ucp_rkey_pack``).
+    def ucx_rkey(self) -> bytes:
+        """The bare packed UCX remote key of this region (``ucp_rkey_pack``),
+        for a peer that does not use gpucx.
+
+        Not what :meth:`Endpoint.unpack` takes: that is the self-describing
+        :meth:`remote` token (address, size, memory type and this key).
+        ``pack_rkey()`` is the older name of this method.
 
         Raises
         ------
@@ -136,7 +152,7 @@ class MemoryRegion(Handle):
                 check(
                     lib.gpucx_amo_export_add(
                         ctx._amo_exports,
-                        int(ffi.cast("uintptr_t", self._h)),
+                        id(self),
                         self.address,
                         self.nbytes,
                         1 if self.memory_type == MemoryType.HOST else 0,
@@ -146,6 +162,9 @@ class MemoryRegion(Handle):
             self._packed = packed
         return self._packed
 
+    #: Older name of :meth:`ucx_rkey`.
+    pack_rkey = ucx_rkey
+
     def remote(self) -> RemoteMemory:
         """The token a peer unpacks with :meth:`Endpoint.unpack`.
 
@@ -154,7 +173,7 @@ class MemoryRegion(Handle):
         gpucx.ClosedError
             If the region is closed.
         """
-        rkey = self.pack_rkey()
+        rkey = self.ucx_rkey()
         return RemoteMemory(
             self.address, self.nbytes, self.memory_type, rkey, self.readonly
         )
@@ -225,11 +244,11 @@ class MemoryRegion(Handle):
         if ctx._h is not None:
             if self._packed is not None and not self.readonly:
                 # No emulated atomic touches the memory once this returns.
-                lib.gpucx_amo_export_remove(
-                    ctx._amo_exports, int(ffi.cast("uintptr_t", self._h))
-                )
+                lib.gpucx_amo_export_remove(ctx._amo_exports, id(self))
             memory = self._memory_ref() if self._memory_ref is not None else None
-            if memory is not None and self.obj is None:
+            if not self._own_map:
+                pass  # the mapping is the containing region's to unmap
+            elif memory is not None and self.obj is None:
                 # Memory UCX allocated, still viewed: unmap it when the last
                 # view is gone (the context's cleanup waits for that too).
                 ctx._deferred_maps += 1
@@ -239,6 +258,27 @@ class MemoryRegion(Handle):
             else:
                 lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
+        self._within = None
+
+
+def _allocated_host_regions(ctx):
+    """The open host regions ``ctx`` allocated (a weak set kept on it)."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if regions is None:
+        regions = weakref.WeakSet()
+        ctx._host_allocations = regions
+    return regions
+
+
+def _containing(ctx, ptr: int, nbytes: int):
+    """The open host region ``ctx`` allocated that holds ``[ptr, ptr+nbytes)``."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if not regions:
+        return None
+    for r in list(regions):
+        if r._h is not None and r.address <= ptr <= r.address + r.nbytes - nbytes:
+            return r
+    return None
 
 
 def _cupy_view(region, memory, dt, shape, need):
@@ -310,6 +350,28 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
         raise ValueError("cannot register an empty buffer (0 bytes)")
+    parent = None
+    if buf.memory_type == MemoryType.HOST:
+        parent = _containing(ctx, buf.ptr, buf.nbytes)
+        # Only a writable registration shares the (writable) mapping: a
+        # read-only one gets its own, mapped without remote write permission,
+        # and still closes with the allocation, whose memory it is.
+        if parent is not None and writable:
+            # Memory UCX allocated (shared memory a peer on this host maps):
+            # share its mapping, so the token carries the same keys and
+            # peers write into it directly instead of through emulation.
+            region = MemoryRegion(
+                ctx,
+                buf.ptr,
+                buf.nbytes,
+                buf.memory_type,
+                not writable,
+                buf.owner,
+                False,
+                within=parent,
+            )
+            region._h = parent._h
+            return region
     pushed = False
     if buf.memory_type in CUDA_TYPES:
         # UCX registers device memory in the current context: make the
@@ -328,9 +390,17 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     finally:
         _cuda.leave(pushed)
     region = MemoryRegion(
-        ctx, buf.ptr, buf.nbytes, buf.memory_type, not writable, buf.owner, False
+        ctx,
+        buf.ptr,
+        buf.nbytes,
+        buf.memory_type,
+        not writable,
+        buf.owner,
+        False,
+        within=parent,
     )
     region._h = memh
+    region._own_map = True
     return region
 
 
@@ -397,6 +467,8 @@ def allocate(
         got_mt = mt
     region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
     region._h = memh
+    if got_mt == MemoryType.HOST:
+        _allocated_host_regions(ctx).add(region)
     return region
 
 

@@ -187,6 +187,12 @@ class RemoteMemory:
                 f"a remote-memory token is bytes, not {type(blob).__name__}"
             ) from None
         n = len(data)
+        if n >= len(MAGIC) and not data.startswith(MAGIC):
+            raise ValueError(
+                f"not a gpucx remote-memory token: magic {data[:4]!r}, expected "
+                f"{MAGIC!r} (Endpoint.unpack takes region.remote() or its "
+                "to_bytes(), not the bare UCX key of region.ucx_rkey())"
+            )
         if n < _MIN_LEN:
             raise ValueError(
                 f"remote-memory token truncated: {n} bytes, at least {_MIN_LEN} "
@@ -195,7 +201,9 @@ class RemoteMemory:
         magic, version, mtype, flags, address, nbytes, rlen = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise ValueError(
-                f"not a gpucx remote-memory token: magic {magic!r}, expected {MAGIC!r}"
+                f"not a gpucx remote-memory token: magic {magic!r}, expected "
+                f"{MAGIC!r} (Endpoint.unpack takes region.remote() or its "
+                "to_bytes(), not the bare UCX key of region.ucx_rkey())"
             )
         if version != FORMAT_VERSION:
             raise ValueError(

@@ -25,7 +25,7 @@ from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
 from ..mem.remote import RemoteKey
-from ..request import INPROGRESS, SPIN_NS, Request, block, raise_status
+from ..request import INPROGRESS, Request, block, raise_status
 
 __all__ = [
     "atomic_add",
@@ -135,10 +135,13 @@ def _fail(st, what, ep, emulate):
 class _AmoRequest(Request):
     """A Request whose refusal by the target reads as such."""
 
-    __slots__ = ("_emulate",)
+    __slots__ = ("_emulate", "_cancelable")
 
     def __init__(self, emulate: bool, *args):
         self._emulate = emulate
+        # UCX cannot cancel its own atomics (it aborts the process when asked
+        # to); gpucx's emulated ones cancel like any request.
+        self._cancelable = emulate
         super().__init__(*args)
 
     def _complete(self) -> None:
@@ -151,7 +154,9 @@ class _AmoRequest(Request):
                 self._value = exc
 
 
-def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout):
+def _run(
+    ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
+):
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
@@ -175,11 +180,14 @@ def _run(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, t
         rkey._base,
         rkey._size,
         amo,
-        SPIN_NS,
+        w._spin_ns,
     )
     if st:
         if st == INPROGRESS:
-            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep)
+            # UCX cannot cancel its own atomics (it aborts the process when
+            # asked to): a timeout parks them, uncanceled.  gpucx's emulated
+            # ones are canceled like any request.
+            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep, emulate)
         if st:
             _fail(st, what, ep, emulate)
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
@@ -230,9 +238,9 @@ _STREAM = """
 """
 
 _TIMEOUT = """
-        ``timeout`` (seconds, optional; blocking forms): give up waiting
-        after that long (``gpucx.TimeoutError``).  The operation may still
-        be applied at the target.
+        ``timeout`` (seconds, optional): how long to wait at most; a
+        ``gpucx.TimeoutError`` then (the operation may still take effect at
+        the peer).
 """
 
 _RAISES = """
@@ -278,9 +286,7 @@ def _make(name, op, fetch, doc):
     ret = "the old value (unsigned)" if fetch else "None"
     blocking.__name__ = blocking.__qualname__ = name
     blocking.__doc__ = f"""{doc} Blocking; returns {ret}.
-{_STREAM}{_TIMEOUT}{_RAISES}        gpucx.TimeoutError
-            When ``timeout`` passes first.
-"""
+{_STREAM}{_TIMEOUT}{_RAISES}"""
     nonblocking.__name__ = nonblocking.__qualname__ = name + "_nb"
     nonblocking.__doc__ = f"""{doc} Returns a Request whose ``wait()`` gives
         {ret}.
@@ -315,11 +321,13 @@ def compare_swap(
 
     ``stream`` (a CUDA stream object or raw handle, optional): the atomic is
     posted only once the work queued on it before the call finished.
-    ``timeout`` (seconds, optional): give up waiting after that long; the
-    operation may still be applied at the target.
+    ``timeout`` (seconds, optional): how long to wait at most.
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass first (the swap may still take effect at
+        the peer).
     ValueError
         ``offset`` outside the remote region or not aligned to ``nbytes``,
         ``nbytes`` not 4 or 8, a value that does not fit, a read-only
@@ -339,8 +347,6 @@ def compare_swap(
         If the peer died or is unreachable.
     gpucx.ClosedError
         If the endpoint or the key is closed.
-    gpucx.TimeoutError
-        When ``timeout`` passes first.
     """
     return _run(
         ep,

@@ -14,7 +14,6 @@ from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..request import (
     INPROGRESS,
-    SPIN_NS,
     Request,
     block,
     finish,
@@ -43,14 +42,20 @@ def _no_stream(ep):
     )
 
 
-def stream_send(ep, buf, *, stream=None) -> None:
+def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
     """Append ``buf`` to the endpoint's stream; return once it is reusable.
 
     ``stream``: a CUDA stream (CuPy/Numba/PyTorch object or raw handle)
     whose queued work must finish before the operation is posted.
+    ``timeout``: seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -71,11 +76,11 @@ def stream_send(ep, buf, *, stream=None) -> None:
         w, ptr, mt, stream, _SEND
     )
     slot = _sync_slot(w)
-    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     if cu:
         _cuda.leave(cu)
     if st:
-        finish(w, slot, st, None, _SEND, ep, keep)
+        finish(w, slot, st, timeout, _SEND, ep, keep)
 
 
 def stream_send_nb(ep, buf, *, stream=None) -> Request:
@@ -151,7 +156,7 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
     )
     slot = _sync_slot(w)
     if timeout is None:
-        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     else:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     if st == INPROGRESS:

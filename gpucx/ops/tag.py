@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
+from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
 from ..mem.memtype import MemoryType
 from ..request import (
     INPROGRESS,
-    SPIN_NS,
     RecvInfo,
     Request,
     block,
@@ -76,16 +76,22 @@ _CHAR_ARRAY = ffi.typeof("char[]")
 _HOST = int(MemoryType.HOST)
 
 
-def send(ep, buf, tag: int = 0, *, stream=None) -> None:
+def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     """Send ``buf`` to the peer with ``tag``; return once ``buf`` is reusable.
 
     ``buf`` is any object :func:`gpucx.mem.as_buffer` accepts, or a list of
     them sent as one message.  ``stream`` (a CuPy/Numba/PyTorch stream or a
     raw handle): the send is posted only once the work queued on it before
-    the call has finished (the worker progresses meanwhile).
+    the call has finished (the worker progresses meanwhile).  ``timeout``:
+    seconds to wait at most (None: no limit).
 
     Raises
     ------
+    gpucx.TimeoutError
+        When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
+        withdraw a send already handed to the transport: it may still reach
+        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -112,7 +118,7 @@ def send(ep, buf, tag: int = 0, *, stream=None) -> None:
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, False)
     elif type(buf) is list or type(buf) is tuple:
-        send_nb(ep, buf, tag, stream=stream).wait()
+        send_nb(ep, buf, tag, stream=stream).wait(timeout)
         return
     else:
         ptr, n, mt, keep = acquire(buf, False, stream)
@@ -121,14 +127,14 @@ def send(ep, buf, tag: int = 0, *, stream=None) -> None:
     )
     slot = new_slot() if w._multi else w._sslot
     try:
-        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, SPIN_NS)
+        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
     except (OverflowError, TypeError):
         raise _bad_tag(tag) from None
     finally:
         if cu:
             _cuda.leave(cu)
     if st:
-        finish(w, slot, st, None, _SEND, ep, keep)
+        finish(w, slot, st, timeout, _SEND, ep, keep)
 
 
 def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Request:
@@ -240,7 +246,9 @@ def recv(
     slot = new_slot() if worker._multi else worker._sslot
     try:
         if timeout is None:
-            st = lib.gpucx_tag_recv_wait(h, ptr, n, tag, tag_mask, mt, slot, SPIN_NS)
+            st = lib.gpucx_tag_recv_wait(
+                h, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+            )
         else:
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError):
@@ -304,23 +312,33 @@ def recv_nb(
 
 
 class ProbedMessage:
-    """A message taken off the unexpected queue by ``probe(remove=True)``.
+    """A message :func:`probe` found: its ``tag`` and ``nbytes``, and how to
+    receive it.
 
-    It must be received with :meth:`recv` or :meth:`recv_nb` (UCX holds it
-    until then).
+    ``removed`` is True for ``probe(remove=True)``: the message was taken off
+    UCX's unexpected queue and must be received with :meth:`recv` or
+    :meth:`recv_nb` (UCX holds it until then).  With ``remove=False`` it
+    stays queued: :meth:`recv` posts a receive for its exact tag (which
+    takes it, the oldest message with that tag), or receive it any other
+    way.  ``tag, nbytes = probed`` unpacks like a :class:`RecvInfo`.
     """
 
-    __slots__ = ("tag", "nbytes", "_msg", "_worker", "_taken")
+    __slots__ = ("tag", "nbytes", "removed", "_msg", "_worker", "_taken")
 
-    def __init__(self, worker, tag: int, nbytes: int, msg):
+    def __init__(self, worker, tag: int, nbytes: int, msg, removed: bool = True):
         self.tag = tag
         self.nbytes = nbytes
+        self.removed = removed
         self._msg = msg
         self._worker = worker
         self._taken = False
 
     def __repr__(self) -> str:
-        return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes}>"
+        how = "removed" if self.removed else "queued"
+        return f"<gpucx.ProbedMessage tag={self.tag:#x} nbytes={self.nbytes} {how}>"
+
+    def __iter__(self):
+        return iter((self.tag, self.nbytes))
 
     def recv_nb(self, buf, *, stream=None) -> Request:
         """Start receiving the message into ``buf``.
@@ -331,7 +349,7 @@ class ProbedMessage:
 
         Raises
         ------
-        RuntimeError
+        gpucx.AlreadyReceivedError
             If the message was already received.
         BufferError
             If ``buf`` is read-only or not contiguous.
@@ -348,7 +366,11 @@ class ProbedMessage:
         if w._h is None:
             raise_closed(w)
         if self._taken:
-            raise RuntimeError("this probed message was already received")
+            raise AlreadyReceivedError("this probed message was already received")
+        if not self.removed:
+            req = recv_nb(w, buf, self.tag, TAG_MASK_FULL, stream=stream)
+            self._taken = True
+            return req
         ptr, n, mt, keep = acquire(buf, True, stream)
         cu = (mt != _HOST or stream is not None) and _cuda.prepare(
             w, ptr, mt, stream, _RECV
@@ -379,9 +401,10 @@ class ProbedMessage:
 def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = False):
     """Check for a matching message that arrived and was not received yet.
 
-    Progresses the worker once.  Returns None when there is none; otherwise
-    :class:`RecvInfo` (``remove=False``, the message stays queued) or a
-    :class:`ProbedMessage` to receive (``remove=True``).
+    Progresses the worker once.  Returns None when there is none, otherwise
+    a :class:`ProbedMessage` (``tag``, ``nbytes``, ``recv()``): with
+    ``remove=False`` the message stays queued, with ``remove=True`` UCX
+    hands it over and it must be received through the ProbedMessage.
 
     Raises
     ------
@@ -400,6 +423,6 @@ def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = Fa
         raise _bad_tag(tag, tag_mask) from None
     if not found:
         return None
-    if remove:
-        return ProbedMessage(worker, info.sender_tag, info.length, msg[0])
-    return RecvInfo(info.sender_tag, info.length)
+    return ProbedMessage(
+        worker, info.sender_tag, info.length, msg[0] if remove else None, remove
+    )

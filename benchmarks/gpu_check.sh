@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# GPU validation in one command, for a fresh machine with an NVIDIA GPU:
+#
+#   bash benchmarks/gpu_check.sh [-o REPORT.md]
+#
+# 1. checks for a GPU and a CUDA driver (without one it stops at once, exit 3);
+# 2. makes a venv (GPU_CHECK_VENV, default $TMPDIR/gpucx-gpu-check-venv) and
+#    installs gpucx with the test and cuda12 extras (pip install -e);
+# 3. gpucx info: UCX must report CUDA memory and CUDA transports;
+# 4. the cuda-marked test suite (python -m pytest -m cuda);
+# 5. CUDA IPC between two processes and CUDA stream ordering, reported on
+#    their own (tests of the cuda suite: two_processes with cuda_ipc; the
+#    stream-ordering tests);
+# 6. gpucx bench -m cuda and -m cuda:host against ucx_perftest -m cuda
+#    (--vs-perftest) for tag_bw, put_bw and get_bw at 1 MiB and 64 MiB;
+# 7. writes one Markdown report (default benchmarks/gpu-check-report.md) with
+#    the machine, every step's result and time, the tables, and the tail of
+#    the log of each failed step.
+#
+# Exit status: 0 all steps passed, 1 a step failed (see the report), 2 bad
+# usage, 3 no GPU or no CUDA driver here (nothing installed, no report).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+REPORT=benchmarks/gpu-check-report.md
+usage() { echo "usage: bash benchmarks/gpu_check.sh [-o REPORT.md]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -o|--report) [ $# -ge 2 ] || usage; REPORT=$2; shift 2 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        *) usage ;;
+    esac
+done
+die_no_gpu() { echo "gpu_check: error: $1; this check needs an NVIDIA GPU with its driver" >&2; exit 3; }
+
+# -- 1. a GPU and its driver, before anything is installed --------------------
+command -v nvidia-smi > /dev/null 2>&1 ||
+    die_no_gpu "no NVIDIA GPU found (nvidia-smi is not installed)"
+GPUS=$(timeout 20 nvidia-smi -L 2>&1) || die_no_gpu "nvidia-smi failed: $(echo "$GPUS" | head -n 1)"
+echo "$GPUS" | grep -q '^GPU ' || die_no_gpu "nvidia-smi lists no GPU"
+PY=${PYTHON:-python3}
+DRIVER=$("$PY" - <<'PYEOF' 2>&1
+import ctypes, sys
+try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+except OSError as exc:
+    sys.exit(f"no CUDA driver: libcuda.so.1 does not load ({exc})")
+v = ctypes.c_int(0)
+if cuda.cuInit(0) != 0 or cuda.cuDriverGetVersion(ctypes.byref(v)) != 0:
+    sys.exit("the CUDA driver does not initialise (cuInit failed)")
+print(f"{v.value // 1000}.{v.value % 1000 // 10}")
+PYEOF
+) || die_no_gpu "$DRIVER"
+
+# -- the steps -------------------------------------------------------------------
+VENV=${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/gpucx-gpu-check-venv}
+LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpucx-gpu-check.XXXXXX")
+STEPS=()   # "name|status|seconds|log"
+FAILED=0
+step() {   # step NAME COMMAND...: run, log, record
+    local name=$1; shift
+    local log="$LOGS/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_').log"
+    local t0=$SECONDS
+    echo "gpu_check: $name ..." >&2
+    ( "$@" ) > "$log" 2>&1
+    local rc=$? status=ok
+    [ $rc -eq 0 ] || { status="FAILED (exit $rc)"; FAILED=1; }
+    STEPS+=("$name|$status|$((SECONDS - t0))|$log")
+    echo "gpu_check: $name: $status" >&2
+    return $rc
+}
+install() {
+    rm -rf "$VENV" && "$PY" -m venv "$VENV" &&
+        "$VENV/bin/pip" install -q --upgrade pip &&
+        "$VENV/bin/pip" install -q -e "$ROOT[test,cuda12]"
+}
+info_has_cuda() {
+    "$VENV/bin/gpucx" info && "$VENV/bin/gpucx" info --json |
+        "$VENV/bin/python" -c "import json, sys; c = json.load(sys.stdin)['cuda']; sys.exit(0 if c['can_move_cuda_memory'] else 'CUDA: ' + str(c['problem']))"
+}
+pytest_cuda() { "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
+bench() {   # bench MEMORY
+    "$VENV/bin/gpucx" bench -t tag_bw,put_bw,get_bw -s 1M,64M -m "$1" \
+        --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
+}
+
+if step "install gpucx[test,cuda12]" install; then
+    step "gpucx info reports CUDA" info_has_cuda
+    step "cuda-marked test suite" pytest_cuda tests
+    step "CUDA IPC between two processes" pytest_cuda tests/test_cuda.py -k "two_processes and ipc"
+    step "CUDA stream ordering" pytest_cuda tests/test_cuda.py \
+        -k "stream_ordering or recv_with_stream or lands_after or waits_for_the_stream"
+    step "gpucx bench -m cuda vs ucx_perftest" bench cuda
+    step "gpucx bench -m cuda:host vs ucx_perftest" bench cuda:host
+fi
+
+# -- the report ------------------------------------------------------------------
+summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)' "$1" | tail -n 1 | tr -d '='; }
+{
+    echo "# gpucx GPU check"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "- command: \`bash benchmarks/gpu_check.sh\`"
+    echo "- commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- host: $(uname -srm), CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
+    echo "- CUDA driver: $DRIVER"
+    echo "$GPUS" | sed 's/^/- /'
+    echo "- result: $([ $FAILED -eq 0 ] && echo 'every step passed' || echo 'FAILED: see below')"
+    echo
+    echo "| step | result | seconds | tests |"
+    echo "|---|---|---|---|"
+    for s in "${STEPS[@]}"; do
+        IFS='|' read -r name status secs log <<< "$s"
+        echo "| $name | $status | $secs | $(summary "$log") |"
+    done
+    for s in "${STEPS[@]}"; do
+        IFS='|' read -r name status secs log <<< "$s"
+        case "$name" in
+            "gpucx info"*|"gpucx bench"*)
+                echo; echo "## $name"; echo; echo '```text'; grep -v '^WARNING' "$log" | tail -n 40; echo '```' ;;
+        esac
+        if [ "$status" != ok ]; then
+            echo; echo "## $name: log tail"; echo; echo '```text'; tail -n 60 "$log"; echo '```'
+        fi
+    done
+    echo
+    echo "Bench ratios: gpucx/perftest, same run (1 = the speed of ucx_perftest)."
+    echo "Logs and JSON: $LOGS"
+} > "$REPORT"
+echo "gpu_check: report written to $REPORT" >&2
+exit $FAILED

@@ -1,0 +1,91 @@
+"""benchmarks/gpu_check.sh, the one-command GPU validation, on a machine
+without a GPU: it stops at once with one clear line and exit status 3,
+before installing anything or writing a report.  (The GPU run itself needs a
+GPU machine: see docs/gpu.md, "Validating on a GPU".)"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _run(tmp_path, path_dirs):
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([*map(str, path_dirs), "/usr/bin", "/bin"])
+    env["GPU_CHECK_VENV"] = str(tmp_path / "venv")
+    env["TMPDIR"] = str(tmp_path)
+    env["PYTHON"] = sys.executable
+    report = tmp_path / "report.md"
+    t0 = time.monotonic()
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "-o", str(report)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+    )
+    return p, time.monotonic() - t0, report
+
+
+def _no_side_effects(tmp_path, report):
+    assert not report.exists()
+    assert not (tmp_path / "venv").exists()
+    assert not list(tmp_path.glob("gpucx-gpu-check.*"))
+
+
+def test_without_nvidia_smi_fails_fast_and_clearly(tmp_path):
+    p, elapsed, report = _run(tmp_path, [])
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("gpu_check: error: no NVIDIA GPU found")
+    assert "needs an NVIDIA GPU" in lines[0]
+    assert elapsed < 10
+    _no_side_effects(tmp_path, report)
+
+
+def _fake_nvidia_smi(tmp_path, listing: str) -> pathlib.Path:
+    """A stand-in nvidia-smi (test double for the missing GPU)."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    fake = bindir / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\nprintf '%s\\n' '{listing}'\n")
+    fake.chmod(0o755)
+    return bindir
+
+
+def test_gpu_listed_but_no_driver_fails_fast(tmp_path):
+    """nvidia-smi (a fake here) lists a GPU, but libcuda.so.1 does not load."""
+    bindir = _fake_nvidia_smi(tmp_path, "GPU 0: Fake GPU (UUID: GPU-0)")
+    p, elapsed, report = _run(tmp_path, [bindir])
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    assert "no CUDA driver: libcuda.so.1 does not load" in lines[0]
+    assert elapsed < 10
+    _no_side_effects(tmp_path, report)
+
+
+def test_nvidia_smi_without_gpu_fails_fast(tmp_path):
+    bindir = _fake_nvidia_smi(tmp_path, "No devices were found")
+    p, _, report = _run(tmp_path, [bindir])
+    assert p.returncode == 3
+    assert "nvidia-smi lists no GPU" in p.stderr
+    _no_side_effects(tmp_path, report)
+
+
+def test_bad_usage_exits_2(tmp_path):
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=20
+    )
+    assert p.returncode == 2 and "usage:" in p.stderr
