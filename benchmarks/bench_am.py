@@ -14,20 +14,29 @@ Measures between two processes on this host (default UCX transports):
   posted with one ``worker.am_recv_many_nb`` call.  The receiver acks each
   round; the sender stays at most ``DEPTH`` rounds ahead;
 * ``send_array``/``recv_array`` bandwidth at 16 MiB against raw AM
-  bandwidth (a fresh array per message, as ``recv_array`` returns).
+  bandwidth (a fresh array per message, as ``recv_array`` returns);
+* 8-byte message rate against the message rate of ``ucx_perftest -t
+  ucp_am_bw -s 8``: ``am_send_nb`` per message, and a prepared batch
+  (``ep.prepare_am``, one C call per round of ``RATE_ITERS`` messages); the
+  receiver posts each round with ``am_recv_many_nb``.
 
 Usage::
 
     .venv/bin/python benchmarks/bench_am.py [--rounds R] [--lat-iters N] [--bw-iters N]
+        [--error-handling] [--only bw,rate]
+
+``--error-handling`` creates every endpoint with peer error handling
+(gpucx's default) and runs perftest with ``-e``.
 
 The machine is shared and its speed drifts by tens of percent within
 seconds.  So the measurements run in interleaved rounds: each round runs
 every gpucx figure right next to its reference, and the ratio is taken
 within the round.  The table gives the median over the rounds of gpucx,
 of the reference and of the per-round ratio, and the range of the ratios.
-Both sides use UCX's default transports and no peer error handling
-(perftest's default; gpucx ``error_handling=False``: peer error handling
-rules out CMA zero-copy on this host), and message buffers mapped by UCX
+Both sides use UCX's default transports and, unless ``--error-handling``,
+no peer error handling (perftest's default; gpucx ``error_handling=False``:
+peer error handling rules out CMA zero-copy on this host), and message
+buffers mapped by UCX
 (``ctx.allocate``), as perftest's are: page size changes the copy speed
 (NumPy puts arrays of 4 MiB and more on huge pages, which makes 16 MiB
 faster than perftest's buffers).  Nothing here is asserted.
@@ -53,6 +62,10 @@ MIB = 1 << 20
 #: round r once round r - DEPTH was acked; posted receives stay DEPTH
 #: rounds ahead.
 DEPTH = 2
+#: Messages per round of the 8-byte message-rate figures.
+RATE_ITERS = 10000
+#: Peer error handling on every endpoint (``--error-handling``).
+EH = False
 
 
 # -- gpucx peer ---------------------------------------------------------------
@@ -67,7 +80,9 @@ def _buffer(ctx, size: int, memory: str) -> np.ndarray:
     return np.empty(size, np.uint8)
 
 
-def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) -> None:
+def _server(
+    conn, mode: str, size: int, iters: int, rounds: int, memory: str, eh: bool
+) -> None:
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
         if mode in ("posted", "group"):
@@ -89,7 +104,7 @@ def _server(conn, mode: str, size: int, iters: int, rounds: int, memory: str) ->
             ping = np.zeros(size, np.uint8)
             req = w.am_recv_nb(PING, ping)
         conn.send(w.address)
-        ep = w.connect(conn.recv(), error_handling=False)
+        ep = w.connect(conn.recv(), error_handling=eh)
         if mode == "lat":
             pong = np.zeros(size, np.uint8)
             w.set_am_handler(PING, lambda msg: ep.am_send_nb(PONG, pong))
@@ -154,13 +169,13 @@ class _Peer:
         self.conn, theirs = mp.get_context("spawn").Pipe()
         self.proc = mp.get_context("spawn").Process(
             target=_server,
-            args=(theirs, mode, size, iters, rounds, memory),
+            args=(theirs, mode, size, iters, rounds, memory, EH),
             daemon=True,
         )
         self.proc.start()
         self.ctx = gpucx.Context()
         self.w = self.ctx.create_worker()
-        self.ep = self.w.connect(self.conn.recv(), error_handling=False)
+        self.ep = self.w.connect(self.conn.recv(), error_handling=EH)
         self.conn.send(self.w.address)
 
     def close(self) -> None:
@@ -225,9 +240,10 @@ def gpucx_am_lat_posted(size: int, iters: int) -> float:
     return dt / iters / 2 * 1e6
 
 
-def _bw_rounds(w, ep, payload, iters, acks, kind, rounds):
+def _bw_rounds(w, ep, payload, iters, acks, kind, rounds, batch=None):
     """Send ``rounds`` rounds of ``iters`` messages, at most ``DEPTH`` rounds
-    ahead of the receiver's acks; return when every round was acked."""
+    ahead of the receiver's acks; return when every round was acked.
+    ``batch``: a prepared batch of one round's messages (kind "batch")."""
     post = ep.am_send_nb if kind != "array" else None
     base = acks[0]
     reqs: list = []
@@ -237,7 +253,9 @@ def _bw_rounds(w, ep, payload, iters, acks, kind, rounds):
         while acks[0] - base < r - DEPTH + 1:
             w.progress()
         reqs = [r_ for r_ in reqs if not r_.done()]
-        if post is not None:
+        if batch is not None:
+            reqs.append(batch.run_nb())
+        elif post is not None:
             reqs += [post(DATA, payload) for _ in range(iters)]
         else:
             reqs += [ep.send_array_nb(payload) for _ in range(iters)]
@@ -256,12 +274,15 @@ def gpucx_bw(
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
     best of ``runs`` runs: ``kind`` "am" (a handler calls receive_into),
     "posted" (receives posted ahead, one call each), "group" (posted a
-    round at a time with ``am_recv_many_nb``) or "array".  The receiver acks each
+    round at a time with ``am_recv_many_nb``), "batch" (as "group", the
+    sender runs a prepared batch per round) or "array".  The receiver acks each
     round; the sender stays at most ``DEPTH`` rounds ahead, so the link
     never idles between rounds (perftest's ``ucp_am_bw`` streams too).
     ``memory``: where the send and receive buffers live (see ``_buffer``;
     arrays are always NumPy arrays)."""
-    mode = {"am": "bw", "posted": "posted", "group": "group"}.get(kind, "array")
+    mode = {"am": "bw", "posted": "posted", "group": "group", "batch": "group"}.get(
+        kind, "array"
+    )
     # With the warm-up round.
     peer = _Peer(mode, size, iters, 1 + rounds * runs, memory)
     w, ep = peer.w, peer.ep
@@ -276,12 +297,15 @@ def gpucx_bw(
     else:
         payload = _buffer(peer.ctx, size, memory)
         payload[:] = 1
-    _bw_rounds(w, ep, payload, iters, acks, kind, 1)  # warm-up round
+    batch = ep.prepare_am(DATA, [payload] * iters) if kind == "batch" else None
+    _bw_rounds(w, ep, payload, iters, acks, kind, 1, batch)  # warm-up round
     best = float("inf")
     for _ in range(runs):
         t0 = time.perf_counter()
-        _bw_rounds(w, ep, payload, iters, acks, kind, rounds)
+        _bw_rounds(w, ep, payload, iters, acks, kind, rounds, batch)
         best = min(best, time.perf_counter() - t0)
+    if batch is not None:
+        batch.close()
     peer.close()
     return size * iters * rounds / best / MIB
 
@@ -290,13 +314,16 @@ def gpucx_bw(
 
 
 def _perftest(test: str, size: int, iters: int, port: int) -> tuple[float, float]:
-    """(overall one-way latency us, overall bandwidth MiB/s) from perftest."""
+    """(overall one-way latency us, overall bandwidth MiB/s) from perftest
+    (``-e`` with ``--error-handling``)."""
     import libucx
 
     root = pathlib.Path(libucx.__file__).resolve().parent
     exe = str(root / "bin" / "ucx_perftest")
     env = dict(os.environ, LD_LIBRARY_PATH=str(root / "lib"), UCX_MM_ERROR_HANDLING="y")
     args = ["-t", test, "-s", str(size), "-n", str(iters), "-p", str(port)]
+    if EH:
+        args.append("-e")
     server = subprocess.Popen(
         [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -326,7 +353,17 @@ def perftest(test: str, size: int, iters: int, port: int, runs: int = 1):
 def one_round(a, port: int) -> dict:
     """Every figure once, each gpucx run next to its reference:
     name -> (gpucx, reference, ratio)."""
-    out = {}
+    out: dict = {}
+    if "rate" in a.only:
+        # 8-byte message rate; perftest's bandwidth in MiB/s -> msg/s.
+        n = RATE_ITERS
+        _, pbw = perftest("ucp_am_bw", 8, n * 8, port + 17)
+        prate = pbw * MIB / 8
+        for kind, name in (("group", "am_send_nb"), ("batch", "prepared batch")):
+            rate = gpucx_bw(8, n, kind) * MIB / 8
+            out[f"AM 8 B rate, {name} (msg/s)"] = (rate, prate, rate / prate)
+    if "bw" not in a.only:
+        return out
     lat = gpucx_am_lat(8, a.lat_iters)
     plat, _ = perftest("ucp_am_lat", 8, a.lat_iters, port)
     out["AM latency 8 B (us, one-way)"] = (lat, plat, plat / lat)
@@ -355,17 +392,32 @@ def main() -> None:
     ap.add_argument("--lat-iters", type=int, default=20000)
     ap.add_argument("--bw-iters", type=int, default=32)
     ap.add_argument("--port", type=int, default=13470)
+    ap.add_argument(
+        "--error-handling",
+        action="store_true",
+        help="endpoints with peer error handling; perftest -e",
+    )
+    ap.add_argument(
+        "--only",
+        default="bw,rate",
+        help="bw (latency, bandwidth, arrays), rate (8-byte message rate)",
+    )
     a = ap.parse_args()
+    global EH
+    EH = a.error_handling
     rounds = [one_round(a, a.port + 20 * r) for r in range(a.rounds)]
     print(f"gpucx {gpucx.__version__}, UCX {'.'.join(map(str, gpucx.UCX_VERSION))}")
-    print(f"medians over {a.rounds} interleaved rounds")
-    head = f"{'measure':32} {'gpucx':>9} {'reference':>10} {'ratio':>6}  ratio range"
+    print(
+        f"medians over {a.rounds} interleaved rounds, peer error handling "
+        f"{'on' if EH else 'off'}"
+    )
+    head = f"{'measure':36} {'gpucx':>11} {'reference':>11} {'ratio':>6}  ratio range"
     print(head)
     for name in rounds[0]:
         g, r, q = (statistics.median(x[name][i] for x in rounds) for i in range(3))
         lo = min(x[name][2] for x in rounds)
         hi = max(x[name][2] for x in rounds)
-        print(f"{name:32} {g:9.2f} {r:10.2f} {q:6.2f}  {lo:.2f}-{hi:.2f}")
+        print(f"{name:36} {g:11.2f} {r:11.2f} {q:6.2f}  {lo:.2f}-{hi:.2f}")
     print("buffers: mapped by UCX on both sides, as ucx_perftest's; arrays: NumPy")
     print("reference: ucx_perftest, except send/recv_array (raw gpucx AM between")
     print("NumPy buffers);")

@@ -1,7 +1,7 @@
 """Put/get bandwidth, 8-byte put latency and fetch-add latency: gpucx
 between two processes against UCX's own ucx_perftest, in the same run.
 
-    python benchmarks/bench_rma.py [--tls TLS] [--quick] [--rounds R]
+    python benchmarks/bench_rma.py [--tls TLS] [--quick] [--rounds R] [--error-handling]
 
 gpucx side: the owner process allocates and exports a region; the client
 process (this one) unpacks the token and measures
@@ -17,10 +17,17 @@ process (this one) unpacks the token and measures
   is time per operation with many outstanding, so the blocking latency is
   compared with its median and the windowed figure with its average.
 
-Endpoints are created without peer error handling, as ucx_perftest does
-(UCX offers atomic protocols only there).  Latencies are medians.  The VM's
-speed drifts, so the runs are interleaved rounds and the table gives the
-median over rounds of each figure and of the within-round ratio.
+* 8-byte put message rate: a prepared transfer (``ep.prepare_put``) of
+  ``RATE_BATCH`` 8-byte entries, two runs in flight, against the message
+  rate of ``ucx_perftest -t ucp_put_bw -s 8``.
+
+Endpoints are created without peer error handling by default, as
+ucx_perftest does (UCX offers atomic protocols only there).
+``--error-handling`` creates them with it (gpucx's default) and runs
+perftest with ``-e``; the atomic rows are left out then.  Latencies are
+medians.  The VM's speed drifts, so the runs are interleaved rounds and the
+table gives the median over rounds of each figure and of the within-round
+ratio.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ MiB = 1 << 20
 PORT = 13400
 #: Outstanding put_nb/get_nb requests in the bandwidth loops.
 WINDOW = 16
+#: Entries of the prepared 8-byte transfer of the message-rate row.
+RATE_BATCH = 1000
+#: Messages of the message-rate figures.
+RATE_ITERS = 1_000_000
 
 
 def _config(tls):
@@ -49,7 +60,7 @@ def _config(tls):
 # -- gpucx ------------------------------------------------------------------------
 
 
-def owner(tls, conn, nbytes):
+def owner(tls, conn, nbytes, eh=False):
     import gpucx
 
     with gpucx.Context(config=_config(tls)) as ctx:
@@ -59,7 +70,7 @@ def owner(tls, conn, nbytes):
         mem[:] = 0
         conn.send((w.address, region.remote().to_bytes()))
         address, blob = conn.recv()
-        ep = w.connect(address, error_handling=False)
+        ep = w.connect(address, error_handling=eh)
         key = ep.unpack(blob)
         word = np.zeros(1, np.uint64)
         progress = w.progress
@@ -96,12 +107,14 @@ def _window(op, buf, key, n, depth=WINDOW):
         r.wait()
 
 
-def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
+def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True, eh=False):
     import gpucx
 
     big = max(sizes)
     parent, child_conn = mp.get_context("spawn").Pipe()
-    child = mp.get_context("spawn").Process(target=owner, args=(tls, child_conn, big))
+    child = mp.get_context("spawn").Process(
+        target=owner, args=(tls, child_conn, big, eh)
+    )
     child.start()
     out = {}
     try:
@@ -111,7 +124,7 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
             mymem = mine.as_array(np.uint64)
             mymem[:] = 0
             address, blob = parent.recv()
-            ep = w.connect(address, error_handling=False)
+            ep = w.connect(address, error_handling=eh)
             parent.send((w.address, mine.remote().to_bytes()))
             key = ep.unpack(blob)
             # Like ucx_perftest, the local buffers are mapped by UCX too.
@@ -173,6 +186,29 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
                 times[i - 1] = time.perf_counter_ns() - t0
             assert parent.recv() == "ok"
             out[("put_lat", 8)] = float(np.median(times[lat_iters // 10 :])) / 2e3
+            # 8-byte put message rate: a prepared transfer, two runs in flight.
+            with ep.prepare_put([(src[:8], key, 0)] * RATE_BATCH) as xfer:
+                xfer.run()
+                runs = RATE_ITERS // RATE_BATCH
+                t0 = time.perf_counter()
+                prev = xfer.run_nb()
+                for _ in range(runs - 1):
+                    nxt = xfer.run_nb()
+                    prev.wait()
+                    prev = nxt
+                prev.wait()
+                ep.flush()
+                out[("put_rate_xfer", 8)] = (
+                    runs * RATE_BATCH / (time.perf_counter() - t0)
+                )
+            if eh:  # UCX selects no atomic protocol with peer error handling
+                parent.send(("bye",))
+                key.close()
+                ep.close(force=True)
+                mine.close()
+                if src_region is not None:
+                    src_region.close()
+                return out
             # Fetch-add latency.
             for _ in range(100):
                 ep.fetch_add(key, 1, 8)
@@ -208,7 +244,7 @@ def gpucx_side(tls, sizes, iters, lat_iters, alloc_src=True):
 # -- ucx_perftest -----------------------------------------------------------------
 
 
-def perftest(test, size, n, tls):
+def perftest(test, size, n, tls, eh=False):
     import libucx
 
     root = os.path.dirname(libucx.__file__)
@@ -221,6 +257,8 @@ def perftest(test, size, n, tls):
     global PORT
     PORT += 1
     args = ["-t", test, "-s", str(size), "-n", str(n), "-p", str(PORT)]
+    if eh:
+        args.append("-e")
     srv = subprocess.Popen(
         [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -240,7 +278,7 @@ def perftest(test, size, n, tls):
             f = [float(x) for x in re.split(r"\s+", line.strip())[1:]]
             # iterations, p50, avg, overall (latency or overhead, usec),
             # then bandwidth avg/overall (MB/s = MiB/s), rate avg/overall.
-            return {"p50": f[1], "avg": f[2], "bw": f[5]}
+            return {"p50": f[1], "avg": f[2], "bw": f[5], "rate": f[7]}
     raise RuntimeError(
         f"ucx_perftest {test} printed no result:\n{res.stdout}{res.stderr}"
     )
@@ -261,21 +299,26 @@ def _size_name(size: int) -> str:
     return f"{size // MiB} MiB" if size % MiB == 0 else f"{size >> 10} KiB"
 
 
-def one_round(tls, sizes, iters, lat_iters) -> dict:
+def one_round(tls, sizes, iters, lat_iters, eh=False) -> dict:
     """Every figure once: name -> (gpucx, perftest, ratio).  Each perftest
     run follows the gpucx runs of its test directly."""
-    g = gpucx_side(tls, sizes, iters, lat_iters)
+    g = gpucx_side(tls, sizes, iters, lat_iters, eh=eh)
     out = {}
     for size in sizes:
         for test in ("ucp_put_bw", "ucp_get"):
-            p = perftest(test, size, iters[size], tls)["bw"]
+            p = perftest(test, size, iters[size], tls, eh)["bw"]
             for name, t in ROWS.items():
                 if t == test:
                     v = g[(name, size)]
                     out[f"{name} {_size_name(size)}"] = ("MiB/s", v, p, v / p)
-    p = perftest("ucp_put_lat", 8, lat_iters, tls)["p50"]
+    p = perftest("ucp_put_lat", 8, lat_iters, tls, eh)["p50"]
     v = g[("put_lat", 8)]
     out["put_lat 8 B (one-way, p50)"] = ("us", v, p, p / v)
+    p = perftest("ucp_put_bw", 8, RATE_ITERS, tls, eh)["rate"]
+    v = g[("put_rate_xfer", 8)]
+    out["put 8 B prepared (msg/s)"] = ("msg/s", v, p, v / p)
+    if eh:
+        return out
     pf = perftest("ucp_fadd", 8, lat_iters, tls)
     v = g[("fadd_lat", 8)]
     out["fetch_add 8 B (blocking, p50)"] = ("us", v, pf["p50"], pf["p50"] / v)
@@ -290,6 +333,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     ap.add_argument("--sizes", default="1M,16M", help="message sizes, e.g. 256K,1M,4M")
+    ap.add_argument(
+        "--error-handling",
+        action="store_true",
+        help="endpoints with peer error handling, perftest -e (no atomics)",
+    )
     args = ap.parse_args()
     units = {"K": 1 << 10, "M": MiB}
     sizes = [
@@ -304,8 +352,14 @@ def main():
         lat_iters = 2000
     # The VM has fast and slow periods: each round puts every gpucx figure
     # next to its perftest run, and the ratio is taken within the round.
-    rounds = [one_round(args.tls, sizes, iters, lat_iters) for _ in range(args.rounds)]
-    print(f"medians over {args.rounds} interleaved rounds, window {WINDOW}")
+    eh = args.error_handling
+    rounds = [
+        one_round(args.tls, sizes, iters, lat_iters, eh) for _ in range(args.rounds)
+    ]
+    print(
+        f"medians over {args.rounds} interleaved rounds, window {WINDOW}, "
+        f"peer error handling {'on' if eh else 'off'}"
+    )
     print(f"tls={args.tls} python={sys.version.split()[0]} cpus={os.cpu_count()}")
     print(
         f"{'test':30} {'unit':6} {'gpucx':>10} {'perftest':>10} {'ratio':>6}"

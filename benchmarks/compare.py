@@ -8,6 +8,12 @@ median of each figure and of the per-round ratios, as a Markdown table.
 
     python benchmarks/compare.py                    # tag_lat, tag_bw
     python benchmarks/compare.py -t tag_bw -s 1M,16M --rounds 5 --tls sm,self
+    python benchmarks/compare.py -t put_bw,get_bw,am_bw -s 8,1M,16M -m ucx \
+        --both-error-modes --rounds 3
+
+``--both-error-modes`` measures each round with peer error handling (gpucx's
+default; perftest ``-e``) and then without; rows measured without are marked
+"(no EH)".
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import statistics
 import sys
 import time
 
+from gpucx.bench.memory import parse_memory
 from gpucx.bench.report import environment
 from gpucx.bench.runner import BenchOptions, run_bench
 from gpucx.bench.sizes import format_size, parse_sizes
@@ -38,27 +45,46 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--iters", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tls", default=None)
+    ap.add_argument(
+        "-m", "--memory", default="host", help="host, ucx, or CLIENT:SERVER"
+    )
+    ap.add_argument(
+        "--no-error-handling",
+        action="store_true",
+        help="endpoints without peer error handling (perftest without -e)",
+    )
+    ap.add_argument(
+        "--both-error-modes",
+        action="store_true",
+        help="each round measures with peer error handling, then without",
+    )
     args = ap.parse_args(argv)
     tests = tuple(t for t in args.tests.split(",") if t)
     sizes = tuple(parse_sizes(args.sizes))
     rows: dict[tuple[str, int], list[dict]] = {}
     transports = []
     t0 = time.time()
+    memory = parse_memory(args.memory)
+    modes = (True, False) if args.both_error_modes else (not args.no_error_handling,)
     for rnd in range(args.rounds):
         print(f"round {rnd + 1}/{args.rounds}", file=sys.stderr)
-        doc = run_bench(
-            BenchOptions(
-                tests=tests,
-                sizes=sizes,
-                iters=args.iters,
-                tls=args.tls,
-                vs_perftest=True,
-                progress=False,
+        for eh in modes:
+            doc = run_bench(
+                BenchOptions(
+                    tests=tests,
+                    sizes=sizes,
+                    iters=args.iters,
+                    tls=args.tls,
+                    memory=memory,
+                    error_handling=eh,
+                    vs_perftest=True,
+                    progress=False,
+                )
             )
-        )
-        transports = doc["environment"]["transports"]
-        for r in doc["results"]:
-            rows.setdefault((r["test"], r["size"]), []).append(r)
+            transports = doc["environment"]["transports"]
+            for r in doc["results"]:
+                r["test"] += "" if eh else " (no EH)"
+                rows.setdefault((r["test"], r["size"]), []).append(r)
     env = environment(transports, args.tls)
     med = statistics.median
     print(
@@ -67,6 +93,7 @@ def main(argv=None) -> int:
         f"Python {platform.python_version()}"
     )
     print(f"transports: {', '.join(sorted({f'{t}/{d}' for t, d in transports}))}")
+    print(f"memory: {args.memory}")
     print(
         f"rounds: {args.rounds}, wall time {time.time() - t0:.0f} s, "
         f"ucxx: {ucxx_status()}"

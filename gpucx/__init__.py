@@ -6,13 +6,16 @@ The public names; everything else is internal.  The guides are in ``docs/``
 ``import gpucx.aio``.
 """
 
+from ._bounds import QueueStats
 from ._lib import UCX_VERSION
 from ._version import __version__
 from .context import Context
 from .endpoint import Endpoint
 from .errors import (
+    AlreadyReceivedError,
     CanceledError,
     ClosedError,
+    DroppedMessagesWarning,
     InvalidAddressError,
     MessageTruncatedError,
     PeerError,
@@ -57,6 +60,9 @@ __all__ = [
     "TimeoutError",
     "UnsupportedError",
     "InvalidAddressError",
+    "AlreadyReceivedError",
+    "DroppedMessagesWarning",
+    "QueueStats",
     "DriverError",
 ]
 

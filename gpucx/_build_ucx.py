@@ -25,7 +25,8 @@ CDEFS = HERE / "_cdefs"
 # Per-area C helpers appended after _ucx_helpers.c, in this order.  Every one
 # must be there: a missing source is a build error, never skipped.
 C_SOURCES = ["_ucx_helpers.c"] + [
-    f"_csrc/{name}.c" for name in ("am", "stream", "rma", "atomic", "bench")
+    f"_csrc/{name}.c"
+    for name in ("am", "stream", "rma", "atomic", "am_batch", "bench", "sockaddr")
 ]
 
 

@@ -104,6 +104,9 @@ def peer_died(worker, ep, reason: str) -> None:
         for req in pending:
             if req._ep is None:
                 worker._suspects[req] = (reason, until)
+    # Atomics gpucx emulates over active messages wait for a reply UCX knows
+    # nothing of: they fail with the peer's death now.
+    lib.gpucx_amo_ep_closed(worker._state, h, ep._state.error)
     for req in [r for r in worker._pending if r._ep is ep]:
         if req._slot.status != INPROGRESS:
             req._complete()

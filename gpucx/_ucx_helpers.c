@@ -55,22 +55,75 @@ typedef struct gpucx_ep_state {
     struct gpucx_worker_state *worker;
 } gpucx_ep_state_t;
 
+/* The two rings below have one producer (a UCX callback, inside
+ * ucp_worker_progress, which a ProgressThread may run) and one consumer
+ * side (Python after progress, maybe several threads of a "multi"
+ * worker).  tail is written by the producer only, head by consumers with a
+ * CAS; release stores pair with acquire loads on the other side, so an
+ * entry is complete before a consumer sees it and taken before the
+ * producer reuses it. */
+struct gpucx_amo_emu;
+
 typedef struct gpucx_worker_state {
     ucp_worker_h       worker;
     int                efd;
-    unsigned           err_head;
-    unsigned           err_tail;
-    unsigned           err_dropped;
+    /* gpucx's atomics over active messages (atomic.c), or NULL. */
+    struct gpucx_amo_emu *amo;
+    unsigned           err_head; /* consumers (CAS) */
+    unsigned           err_tail; /* the producer */
     gpucx_ep_state_t  *err_q[GPUCX_ERRQ_CAP];
 } gpucx_worker_state_t;
 
 typedef struct gpucx_listener_state {
     ucp_listener_h     listener;
-    unsigned           head;
-    unsigned           tail;
-    unsigned           rejected;
+    unsigned           head; /* consumers (CAS) */
+    unsigned           tail; /* the producer */
     ucp_conn_request_h q[GPUCX_CONNQ_CAP];
 } gpucx_listener_state_t;
+
+/* Accounting of one queue a peer can fill (kept AM messages, the handler
+ * queue, notifications): what it holds now, its caps and what the caps
+ * dropped.  Guarded by the lock of the queue it describes. */
+typedef struct gpucx_qstat {
+    size_t   count;
+    size_t   bytes;
+    size_t   max_count;     /* SIZE_MAX: no cap */
+    size_t   max_bytes;     /* SIZE_MAX: no cap */
+    uint64_t dropped;
+    uint64_t dropped_bytes;
+} gpucx_qstat_t;
+
+/* Set the caps of s (0: no cap) and clear its counters. */
+static void gpucx_qstat_init(gpucx_qstat_t *s, size_t max_count, size_t max_bytes)
+{
+    memset(s, 0, sizeof(*s));
+    s->max_count = max_count ? max_count : SIZE_MAX;
+    s->max_bytes = max_bytes ? max_bytes : SIZE_MAX;
+}
+
+/* Charge a message of nbytes to s if it fits under both caps (returns 1);
+ * otherwise count it as dropped, bump *drops (the worker-wide counter the
+ * Python side watches to warn) and return 0. */
+static int gpucx__qstat_admit(gpucx_qstat_t *s, size_t nbytes, uint64_t *drops)
+{
+    if (s->count < s->max_count && nbytes <= s->max_bytes - s->bytes) {
+        s->count++;
+        s->bytes += nbytes;
+        return 1;
+    }
+    s->dropped++;
+    s->dropped_bytes += nbytes;
+    if (drops != NULL) {
+        __atomic_fetch_add(drops, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+static inline void gpucx__qstat_leave(gpucx_qstat_t *s, size_t nbytes)
+{
+    s->count--;
+    s->bytes -= nbytes;
+}
 
 static const char *gpucx_package_version(void) { return GPUCX_VERSION_STRING; }
 static const char *gpucx_build_ucx_prefix(void) { return GPUCX_UCX_PREFIX_STRING; }
@@ -156,30 +209,36 @@ static void gpucx__tag_recv_cb(void *request, ucs_status_t status,
     slot->status = status;
 }
 
+static void gpucx__amo_ep_failed(struct gpucx_amo_emu *emu, ucp_ep_h ep,
+                                 ucs_status_t status);
+
 static void gpucx__ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     gpucx_ep_state_t     *st = (gpucx_ep_state_t *)arg;
     gpucx_worker_state_t *w  = st->worker;
-    (void)ep;
+    /* Emulated atomics still waiting for this peer's reply fail now. */
+    gpucx__amo_ep_failed(w->amo, ep, status);
     if (st->error == UCS_OK) {
         st->error = status;
     }
-    if (w->err_tail - w->err_head < GPUCX_ERRQ_CAP) {
-        w->err_q[w->err_tail % GPUCX_ERRQ_CAP] = st;
-        w->err_tail++;
-    } else {
-        w->err_dropped++;
+    unsigned tail = w->err_tail; /* only this callback writes it */
+    /* A full ring loses the notice, not the error: st->error is set and
+     * the endpoint's next operation reports it. */
+    if (tail - __atomic_load_n(&w->err_head, __ATOMIC_ACQUIRE) < GPUCX_ERRQ_CAP) {
+        w->err_q[tail % GPUCX_ERRQ_CAP] = st;
+        __atomic_store_n(&w->err_tail, tail + 1, __ATOMIC_RELEASE);
     }
 }
 
 static void gpucx__conn_cb(ucp_conn_request_h req, void *arg)
 {
-    gpucx_listener_state_t *ls = (gpucx_listener_state_t *)arg;
-    if (ls->tail - ls->head < GPUCX_CONNQ_CAP) {
-        ls->q[ls->tail % GPUCX_CONNQ_CAP] = req;
-        ls->tail++;
+    gpucx_listener_state_t *ls   = (gpucx_listener_state_t *)arg;
+    unsigned                tail = ls->tail; /* only this callback writes it */
+
+    if (tail - __atomic_load_n(&ls->head, __ATOMIC_ACQUIRE) < GPUCX_CONNQ_CAP) {
+        ls->q[tail % GPUCX_CONNQ_CAP] = req;
+        __atomic_store_n(&ls->tail, tail + 1, __ATOMIC_RELEASE);
     } else {
-        ls->rejected++;
         ucp_listener_reject(ls->listener, req);
     }
 }
@@ -234,6 +293,9 @@ struct gpucx_am_reg;
 struct gpucx_am_group;
 static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
 static void gpucx__am_unpost_group(struct gpucx_am_group *g);
+/* A slot of an atomic gpucx runs over active messages (atomic.c). */
+#define GPUCX_SLOT_AMO_EMU 4
+static void gpucx__amo_emu_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
 
 static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
@@ -245,6 +307,9 @@ static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
     } else if (slot->status == UCS_INPROGRESS && slot->kind == 3) {
         /* Receives posted as a group (am.c): the slot opens the group. */
         gpucx__am_unpost_group((struct gpucx_am_group *)slot);
+    } else if (slot->status == UCS_INPROGRESS &&
+               slot->kind == GPUCX_SLOT_AMO_EMU) {
+        gpucx__amo_emu_cancel(worker, slot);
     }
     return slot->status;
 }
@@ -415,12 +480,18 @@ static void gpucx_free(void *p)
 static gpucx_ep_state_t *gpucx_worker_pop_error(gpucx_worker_state_t *w)
 {
     gpucx_ep_state_t *st;
+    unsigned          head = __atomic_load_n(&w->err_head, __ATOMIC_ACQUIRE);
 
-    if (w->err_head == w->err_tail) {
-        return NULL;
-    }
-    st = w->err_q[w->err_head % GPUCX_ERRQ_CAP];
-    w->err_head++;
+    /* Consumers may be several Python threads (cffi drops the GIL): the
+     * entry read before a successful CAS was not reused meanwhile, since
+     * the producer reuses it only after head moved past it. */
+    do {
+        if (head == __atomic_load_n(&w->err_tail, __ATOMIC_ACQUIRE)) {
+            return NULL;
+        }
+        st = w->err_q[head % GPUCX_ERRQ_CAP];
+    } while (!__atomic_compare_exchange_n(&w->err_head, &head, head + 1, 0,
+                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     return st;
 }
 
@@ -600,12 +671,15 @@ static int gpucx_listener_port(ucp_listener_h listener)
 static ucp_conn_request_h gpucx_listener_pop(gpucx_listener_state_t *ls)
 {
     ucp_conn_request_h req;
+    unsigned           head = __atomic_load_n(&ls->head, __ATOMIC_ACQUIRE);
 
-    if (ls->head == ls->tail) {
-        return NULL;
-    }
-    req = ls->q[ls->head % GPUCX_CONNQ_CAP];
-    ls->head++;
+    do { /* several consumers: see gpucx_worker_pop_error */
+        if (head == __atomic_load_n(&ls->tail, __ATOMIC_ACQUIRE)) {
+            return NULL;
+        }
+        req = ls->q[head % GPUCX_CONNQ_CAP];
+    } while (!__atomic_compare_exchange_n(&ls->head, &head, head + 1, 0,
+                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
     return req;
 }
 

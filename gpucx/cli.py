@@ -134,7 +134,12 @@ def _bench_parser(sub) -> None:
         action="store_true",
         help="serve one remote client (see --host/--port)",
     )
-    p.add_argument("--host", default="0.0.0.0", help="--server: address to listen on")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="--server: address to listen on (default 127.0.0.1; 0.0.0.0 or :: "
+        "for every interface, with a warning)",
+    )
     p.add_argument(
         "--port",
         type=int,
@@ -222,7 +227,16 @@ def _cmd_bench(args) -> int:
         if not 0 <= args.port < 65536:
             return _fail(prog, f"--port must be in 0..65535, not {args.port}")
         from .bench.peer import serve_listener
+        from .bench.suites import DEFAULT_TESTS, TESTS
 
+        tests: list[str] = []
+        for item in args.test or [",".join(DEFAULT_TESTS)]:
+            tests += [t.strip() for t in item.split(",") if t.strip()]
+        unknown = [t for t in tests if t not in TESTS]
+        if unknown:
+            return _fail(
+                prog, f"unknown test {unknown[0]!r}: choose from {', '.join(TESTS)}"
+            )
         serve_listener(
             args.host,
             args.port,
@@ -230,6 +244,7 @@ def _cmd_bench(args) -> int:
             not args.no_error_handling,
             args.device,
             args.timeout,
+            tests=tests,
         )
         return 0
     try:

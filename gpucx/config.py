@@ -36,29 +36,83 @@ DEFAULTS = {"MM_ERROR_HANDLING": "y"}
 #: Prefix of gpucx's own options in ``Context(config=...)``; they are never
 #: passed to UCX.
 GPUCX_PREFIX = "GPUCX_"
-#: gpucx's own options and their defaults.
+_MiB = 1 << 20
+#: gpucx's own options and their defaults (docs/reliability.md lists them).
 GPUCX_OPTIONS: dict[str, float] = {
     # Seconds between two liveness checks of a worker's peers on this host
-    # (0 = never); see gpucx._liveness.
-    "PEER_CHECK_INTERVAL": float(os.environ.get("GPUCX_PEER_CHECK_INTERVAL", "0.1")),
+    # (0 = never); see gpucx._liveness.  Also read from the environment.
+    "PEER_CHECK_INTERVAL": 0.1,
+    # Microseconds a blocking call spins progressing before it sleeps on the
+    # worker's event fd.  Also read from the environment.
+    "SPIN_US": 5000.0,
     # Largest array payload recv_array accepts, in bytes (0 = no limit); see
     # gpucx.ops.arrays.recv_array.
-    "MAX_ARRAY_BYTES": 0.0,
+    "MAX_ARRAY_BYTES": float(4 << 30),
+    # Caps of the queues a peer fills without the application's help (0 =
+    # no cap); past one, messages are dropped and counted (Worker.stats()).
+    # Active messages kept for posted receives (all ids of a worker).
+    "AM_KEPT_MAX_COUNT": 16384.0,
+    "AM_KEPT_MAX_BYTES": float(64 * _MiB),
+    # Active messages waiting for their handler (a worker progressed by a
+    # ProgressThread only, or by C waits that do not run handlers).
+    "AM_QUEUE_MAX_COUNT": 16384.0,
+    "AM_QUEUE_MAX_BYTES": float(64 * _MiB),
+    # Put-with-notify notifications not yet taken.
+    "NOTIFY_MAX_COUNT": 16384.0,
+    "NOTIFY_MAX_BYTES": float(16 * _MiB),
+    # Arrays (send_array) waiting for recv_array, all senders together.
+    "ARRAY_QUEUE_MAX_COUNT": 4096.0,
+    "ARRAY_QUEUE_MAX_BYTES": float(64 * _MiB),
 }
 #: gpucx options whose value must be a whole number.
-GPUCX_INTEGER_OPTIONS = frozenset({"MAX_ARRAY_BYTES"})
+GPUCX_INTEGER_OPTIONS = frozenset(
+    {
+        "MAX_ARRAY_BYTES",
+        "AM_KEPT_MAX_COUNT",
+        "AM_KEPT_MAX_BYTES",
+        "AM_QUEUE_MAX_COUNT",
+        "AM_QUEUE_MAX_BYTES",
+        "NOTIFY_MAX_COUNT",
+        "NOTIFY_MAX_BYTES",
+        "ARRAY_QUEUE_MAX_COUNT",
+        "ARRAY_QUEUE_MAX_BYTES",
+    }
+)
+#: gpucx options also read from the environment (``GPUCX_<NAME>``); a
+#: ``Context(config=...)`` value wins.
+GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US")
+
+
+def _number(name: str, value: object, where: str) -> float:
+    """Check one gpucx option value; ``where`` names its origin."""
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        number = -1.0
+    if not 0 <= number < float("inf"):
+        raise ValueError(f"{where} must be a number >= 0, not {value!r}")
+    if name in GPUCX_INTEGER_OPTIONS and not number.is_integer():
+        raise ValueError(f"{where} must be a whole number >= 0, not {value!r}")
+    return number
 
 
 def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
-    """gpucx's own options (``GPUCX_*`` keys) of a context config.
+    """gpucx's own options (``GPUCX_*`` keys) of a context config, over the
+    ``GPUCX_*`` environment variables of :data:`GPUCX_ENV_OPTIONS`.
 
     Raises
     ------
     ValueError
-        For an unknown ``GPUCX_*`` key or a value that is not a number >= 0
-        (a whole number for ``GPUCX_MAX_ARRAY_BYTES``).
+        For an unknown ``GPUCX_*`` key, or a value (in ``config`` or in the
+        environment) that is not a finite number >= 0 (a whole number for
+        the byte and count caps); the message names the variable.
     """
     out = dict(GPUCX_OPTIONS)
+    for name in GPUCX_ENV_OPTIONS:
+        env = os.environ.get(GPUCX_PREFIX + name)
+        if env is not None:
+            where = f"environment variable {GPUCX_PREFIX + name}"
+            out[name] = _number(name, env, where)
     if not isinstance(config, Mapping):
         return out
     for key, value in config.items():
@@ -68,19 +122,7 @@ def gpucx_options(config: Mapping[str, object] | None) -> dict[str, float]:
         if name not in GPUCX_OPTIONS:
             known = sorted(GPUCX_PREFIX + k for k in GPUCX_OPTIONS)
             raise ValueError(f"unknown gpucx option {key!r}; known: {known}")
-        try:
-            number = float(value)  # type: ignore[arg-type]
-        except (TypeError, ValueError):
-            number = -1.0
-        if not number >= 0:
-            raise ValueError(
-                f"gpucx option {key!r} must be a number >= 0, not {value!r}"
-            )
-        if name in GPUCX_INTEGER_OPTIONS and not number.is_integer():
-            raise ValueError(
-                f"gpucx option {key!r} must be a whole number >= 0, not {value!r}"
-            )
-        out[name] = number
+        out[name] = _number(name, value, f"gpucx option {key!r}")
     return out
 
 

@@ -29,17 +29,22 @@ class Context(Handle):
         ``GPUCX_`` are gpucx's own options, never passed to UCX:
         ``GPUCX_PEER_CHECK_INTERVAL`` (seconds between liveness checks of
         peers on this host, default 0.1, 0 = off; see the guide's "Peer
-        failure") and ``GPUCX_MAX_ARRAY_BYTES`` (the largest array, in
-        bytes, that ``recv_array`` of this context's workers accepts;
-        default 0 = no limit).
+        failure"), ``GPUCX_SPIN_US`` (how long blocking calls busy-poll,
+        default 5000; both also read from the environment),
+        ``GPUCX_MAX_ARRAY_BYTES`` (the largest array, in bytes, that
+        ``recv_array`` of this context's workers accepts; default 4 GiB,
+        0 = no limit) and the caps of the queues a peer can fill
+        (``GPUCX_AM_KEPT_MAX_COUNT`` and the others listed in
+        docs/reliability.md, "Bounded queues").
 
     Raises
     ------
     ValueError
         For an unknown feature, or a UCX option UCX does not know or whose
         value it rejects (the message names the option), or an unknown or
-        negative ``GPUCX_*`` option (or a fractional
-        ``GPUCX_MAX_ARRAY_BYTES``).
+        negative ``GPUCX_*`` option (or a fractional byte or count cap),
+        or a bad ``GPUCX_SPIN_US`` / ``GPUCX_PEER_CHECK_INTERVAL``
+        environment variable; the message names the option.
     TypeError
         If ``config`` is not a dict of strings.
     gpucx.UCXError
@@ -73,7 +78,15 @@ class Context(Handle):
         self.features = names
         self.config = options
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
+        self._spin_ns = int(own["SPIN_US"] * 1000)
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
+        self._options = own
+        # Regions exported for gpucx's emulated atomics (gpucx.ops.atomic).
+        self._amo_exports = lib.gpucx_amo_exports_new(1 if "amo" in names else 0)
+        # Closed regions whose memory UCX allocated and a view still uses
+        # (gpucx.mem.region): ucp_cleanup waits until they are unmapped.
+        self._deferred_maps = 0
+        self._cleanup_deferred = False
         register_root(self)
 
     def __repr__(self) -> str:
@@ -131,4 +144,14 @@ class Context(Handle):
     allocate = _region.allocate
 
     def _release(self) -> None:
-        lib.ucp_cleanup(self._h)
+        if self._deferred_maps:
+            # An array view of UCX-allocated memory is still alive: the
+            # cleanup (which would free that memory) runs when it is gone.
+            self._cleanup_deferred = True
+            return
+        self._cleanup(self._h)
+
+    def _cleanup(self, h) -> None:
+        lib.ucp_cleanup(h)
+        lib.gpucx_amo_exports_free(self._amo_exports)
+        self._amo_exports = ffi.NULL

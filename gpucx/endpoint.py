@@ -10,6 +10,7 @@ from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
 from .ops import am as _am
+from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
@@ -109,7 +110,9 @@ class Endpoint(Handle):
             lib.gpucx_ep_create_conn(worker._state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
-        return cls(worker, state, peer)
+        ep = cls(worker, state, peer)
+        ep._peer_mode = error_handling
+        return ep
 
     @classmethod
     def _borrow(cls, worker, h):
@@ -174,6 +177,36 @@ class Endpoint(Handle):
             for i in range(n)
         ]
 
+    @property
+    def local_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of this side of the connection (``ucp_ep_query``),
+        for endpoints made by a ``(host, port)`` connect or a listener; None
+        for one made from a worker address."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[0]
+
+    @property
+    def remote_sockaddr(self) -> tuple[str, int] | None:
+        """``(host, port)`` of the peer's side of the connection (see
+        :attr:`local_sockaddr`)."""
+        pair = self._sockaddrs()
+        return None if pair is None else pair[1]
+
+    def _sockaddrs(self):
+        h = self._h
+        if h is None:
+            raise_closed(self)
+        local = ffi.new("char[]", 64)
+        remote = ffi.new("char[]", 64)
+        lport = ffi.new("int *")
+        rport = ffi.new("int *")
+        if lib.gpucx_ep_sockaddrs(h, local, remote, 64, lport, rport) != 0:
+            return None
+        return (
+            (ffi.string(local).decode(), lport[0]),
+            (ffi.string(remote).decode(), rport[0]),
+        )
+
     def flush(self, timeout: float | None = None) -> None:
         """Complete all operations issued on this endpoint at the peer.
 
@@ -204,6 +237,7 @@ class Endpoint(Handle):
     stream_recv_nb = _stream.stream_recv_nb
     am_send = _am.am_send
     am_send_nb = _am.am_send_nb
+    prepare_am = _am_batch.prepare_am
     send_array = _arrays.send_array
     send_array_nb = _arrays.send_array_nb
     recv_array = _arrays.recv_array
@@ -294,6 +328,9 @@ class Endpoint(Handle):
             w._park(slot, None)
         else:
             lib.gpucx_slot_release(slot)
+        # Atomics gpucx runs over active messages on this endpoint wait for a
+        # reply UCX knows nothing of: they are canceled here.
+        lib.gpucx_amo_ep_closed(w._state, self._h, lib.UCS_ERR_CANCELED)
         if force:
             # A force close completes this endpoint's requests (canceled)
             # from inside progress; let them land before the caller looks.

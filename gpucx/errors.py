@@ -20,6 +20,8 @@ __all__ = [
     "TimeoutError",
     "UnsupportedError",
     "InvalidAddressError",
+    "AlreadyReceivedError",
+    "DroppedMessagesWarning",
     "check",
     "status_name",
     "error_for",
@@ -48,6 +50,18 @@ class UCXError(Exception):
 class ClosedError(UCXError):
     """The object (or its parent) was closed, or belongs to the parent of a
     forked child process."""
+
+
+class AlreadyReceivedError(RuntimeError):
+    """The payload of a message was already received (a second
+    ``receive_into``, ``.data`` after it, or a probed message received
+    twice)."""
+
+
+class DroppedMessagesWarning(RuntimeWarning):
+    """A worker dropped messages from peers at one of its queue caps
+    (``Worker.stats()`` counts them; docs/reliability.md, "Bounded
+    queues").  Raised once, then at most once a minute per worker."""
 
 
 class CanceledError(UCXError):

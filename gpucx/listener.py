@@ -50,8 +50,9 @@ class Listener(Handle):
             Seconds to wait; None waits forever.
         error_handling : bool
             Peer error-handling mode for the new endpoint (default on).  UCX
-            (>= 1.19) offers no atomic operations on endpoints with it, so
-            accept with ``error_handling=False`` to serve atomics.
+            (>= 1.19) offers no atomic operations on endpoints with it;
+            gpucx then runs atomics over its own active messages
+            (``error_handling=False`` gives UCX's atomics).
 
         Raises
         ------

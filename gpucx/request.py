@@ -13,7 +13,6 @@ that UCX never writes into memory Python has freed.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import namedtuple
 from concurrent.futures import InvalidStateError
@@ -37,8 +36,9 @@ OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 CANCELED = lib.UCS_ERR_CANCELED
 
-#: How long the C wait loop spins before sleeping on the event fd.
-SPIN_NS = int(float(os.environ.get("GPUCX_SPIN_US", "5000")) * 1000)
+#: How long the C wait loop spins before sleeping on the event fd, by
+#: default; each worker uses its context's ``GPUCX_SPIN_US`` (``_spin_ns``).
+SPIN_NS = 5_000_000
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
 #: How long a canceled operation may take to report back when its worker
@@ -105,7 +105,7 @@ def block(
         worker._sslot = new_slot()
     try:
         while True:
-            st = lib.gpucx_wait(h, slot, SPIN_NS)
+            st = lib.gpucx_wait(h, slot, worker._spin_ns)
             if st != INPROGRESS:
                 return st
             worker._poll_events()

@@ -6,13 +6,14 @@ import time
 import weakref
 from typing import Any
 
-from . import _address
+from . import _address, _bounds
 from . import _liveness as _live
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
+from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
 from .request import INPROGRESS, finish, new_slot
@@ -34,6 +35,7 @@ class Worker(Handle):
 
     _is_worker = True
     _amq: Any  # the C active-message queue (gpucx.ops.am.attach)
+    _am: Any  # its Python bookkeeping (gpucx.ops.am._AmWorker)
 
     def __init__(self, context, thread_mode: str = "single"):
         h = context._h
@@ -65,6 +67,7 @@ class Worker(Handle):
         # (pid, start time), checked at most every _peer_interval seconds.
         self._watched: dict = {}
         self._peer_interval = context._peer_interval
+        self._spin_ns = context._spin_ns
         self._peer_check_at = 0.0
         self._peer_tick = _live.PROGRESS_STRIDE
         # Requests pending when gpucx force-closed a dead peer's endpoint:
@@ -77,6 +80,7 @@ class Worker(Handle):
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
         context._adopt(self)
         _rma.worker_init(self)
+        _atomic.worker_init(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._h is None else self.thread_mode
@@ -98,8 +102,10 @@ class Worker(Handle):
         n = lib.ucp_worker_progress(h)
         if self._amq.tail:  # active messages queued: run their handlers
             _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.count:
+        if self._notify_handler is not None and self._notify_q.stat.count:
             _rma.dispatch_notifications(self)
+        if self._amq.drops != self._am.drops_seen:  # a queue cap dropped some
+            _bounds.dropped(self)
         if self._watched:  # peers on this host: look at them now and then
             self._peer_tick -= 1
             if self._peer_tick <= 0:
@@ -114,8 +120,10 @@ class Worker(Handle):
         operations UCX has let go of."""
         if self._amq.tail:
             _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.count:
+        if self._notify_handler is not None and self._notify_q.stat.count:
             _rma.dispatch_notifications(self)
+        if self._amq.drops != self._am.drops_seen:
+            _bounds.dropped(self)
         if self._watched:
             _live.check(self)
         elif self._parked:
@@ -281,6 +289,21 @@ class Worker(Handle):
         self._reply_eps[key] = ep
         return ep
 
+    def stats(self) -> dict[str, _bounds.QueueStats]:
+        """Counters of the queues peers can fill, by name: ``"am_kept"``,
+        ``"am_queue"``, ``"notify"`` and ``"arrays"`` (each a
+        :class:`~gpucx.QueueStats`: held now, caps, dropped so far).  See
+        docs/reliability.md, "Bounded queues".
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the worker is closed.
+        """
+        if self._h is None:
+            raise_closed(self)
+        return _bounds.stats(self)
+
     # -- put-with-notify, owner side (facade over gpucx.ops.rma) --------------
 
     notifications = _rma.notifications
@@ -327,6 +350,7 @@ class Worker(Handle):
         _am.detach(self)
         lib.ucp_worker_destroy(h)
         _rma.worker_release(self)
+        lib.gpucx_amo_worker_free(self._state)
         # Whatever UCX still held is gone with the worker: settle it.
         for req in list(self._pending):
             req._slot.req = ffi.NULL

@@ -31,7 +31,13 @@ def owner(tls, chan, nbytes, allocate):
     """
     with gpucx.Context(config=transport_config(tls)) as ctx:
         w = ctx.create_worker()
-        if allocate:
+        if allocate == "view":
+            # Registered memory inside an allocated region: shares its keys.
+            whole = ctx.allocate(nbytes + 8192)
+            mem = whole.as_array(np.uint8)[4096 : 4096 + nbytes]
+            mem[:] = 0
+            region = ctx.register(mem)
+        elif allocate:
             region = ctx.allocate(nbytes)
             mem = region.as_array(np.uint8)
             mem[:] = 0
@@ -88,3 +94,36 @@ def adder(tls, chan, n_ops, nbytes):
         chan.get(60)
         key.close()
         ep.close(force=True)
+
+
+def adder_default(tls, chan, n_ops, nbytes):
+    """As :func:`adder`, on a default endpoint (peer error handling: gpucx
+    emulates the atomics): a fifth blocking fetch_add, the rest
+    fetch_add_nb in windows of 64."""
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        address, blob = chan.get(60)
+        ep = w.connect(address)
+        key = ep.unpack(blob)
+        olds = [ep.fetch_add(key, 1, nbytes=nbytes) for _ in range(n_ops // 5)]
+        left = n_ops - n_ops // 5
+        while left:
+            reqs = [
+                ep.fetch_add_nb(key, 1, nbytes=nbytes) for _ in range(min(64, left))
+            ]
+            olds += [r.wait(30) for r in reqs]
+            left -= len(reqs)
+        chan.put(("done", olds))
+        chan.get(60)
+        key.close()
+        ep.close(force=True)
+
+
+def idle_owner(tls, chan):
+    """Export a counter, then never progress (and wait to be killed)."""
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        mem = np.zeros(1, np.uint64)
+        region = ctx.register(mem)
+        chan.put(("hello", w.address, region.remote().to_bytes()))
+        chan.get(120)  # killed before anything comes

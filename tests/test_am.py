@@ -253,7 +253,7 @@ def test_eager_receive_into_copies(pair):
     out = bytearray(16)
     assert got[0].receive_into(out).wait() == 10
     assert out[:10] == b"0123456789"
-    with pytest.raises(ValueError, match="already received"):
+    with pytest.raises(gpucx.AlreadyReceivedError, match="already received"):
         got[0].data  # noqa: B018
 
 
@@ -302,7 +302,7 @@ def test_receive_into_errors(pair):
         msg.receive_into(bytes(1 << 20))  # read-only target
     out = np.zeros(1 << 20, np.uint8)
     pair.drive(msg.receive_into(out), req)
-    with pytest.raises(RuntimeError, match="already received"):
+    with pytest.raises(gpucx.AlreadyReceivedError, match="already received"):
         msg.receive_into(out)
     assert out.all()
 

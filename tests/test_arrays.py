@@ -12,6 +12,8 @@ import gpucx
 from gpucx.ops import am as _am
 from gpucx.ops import arrays as _arrays
 
+from conftest import Pair
+
 pytestmark = pytest.mark.timeout(120)
 
 DTYPES = [
@@ -358,10 +360,13 @@ def test_max_bytes_keyword_overrides_context_option():
         assert seen == ["ok"]
 
 
-def test_max_bytes_default_is_unlimited(pair):
-    assert pair.ctx._max_array_bytes == 0
+def test_max_bytes_default_is_4_gib_and_zero_is_unlimited(pair):
+    assert pair.ctx._max_array_bytes == 4 << 30
     arr = np.arange(1 << 20, dtype=np.int64)
     assert np.array_equal(transfer(pair, arr), arr)
+    with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": 0}) as ctx:
+        p = Pair(ctx)
+        assert np.array_equal(transfer(p, arr), arr)
 
 
 def test_max_bytes_refuses_a_malformed_header_first_by_size(pair):
@@ -440,3 +445,45 @@ def test_max_bytes_across_processes(tls_name):
             q.put("bye")
     finally:
         join_ok(child, 90)
+
+
+# -- one bad array fails one receive, never the endpoint (issue 16) ------------
+
+
+@pytest.mark.parametrize("memtype", ["ROCM", "ZE_DEVICE", "RDMA", "UNKNOWN"])
+def test_memory_type_other_than_host_or_cuda_fails_one_receive(pair, memtype):
+    header = _arrays._pack("<f4", (2,), int(gpucx.MemoryType[memtype]))
+    _send_raw(pair, header)
+    with pytest.raises(ValueError, match=f"memory type {memtype} is not host or CUDA"):
+        pair.ba.recv_array(timeout=5)
+    assert pair.b.stats()["arrays"].count == 0
+    pair.ab.send_array(np.arange(4))
+    assert pair.ba.recv_array(timeout=5).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("shape", [(1 << 40,), (1 << 20, 1 << 20, 1 << 20)])
+def test_header_claiming_a_huge_size_fails_one_receive(pair, shape):
+    _send_raw(pair, _arrays._pack("<f8", shape, int(gpucx.MemoryType.HOST)))
+    with pytest.raises(ValueError, match="malformed array message"):
+        pair.ba.recv_array(timeout=5)
+    pair.ab.send_array(np.arange(3))
+    assert pair.ba.recv_array(timeout=5).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_allocation_failure_drops_one_array(pair, proto):
+    def no_memory(nbytes, memory_type):
+        raise MemoryError("no room")
+
+    req = pair.ab.send_array_nb(np.ones(1 << 16, np.uint8), proto=proto)
+    end = time.monotonic() + 10
+    while not pair.b._am.arrays:
+        pair.a.progress()
+        pair.b.progress()
+        assert time.monotonic() < end
+    with pytest.raises(MemoryError, match="cannot allocate 65536 bytes.*dropped"):
+        pair.ba.recv_array(timeout=5, allocator=no_memory)
+    assert pair.b.stats()["arrays"].count == 0
+    pair.drive(req)  # a dropped rendezvous completes its sender
+    pair.ab.send_array(np.arange(3))
+    assert pair.ba.recv_array(timeout=5).tolist() == [0, 1, 2]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gpucx
+from gpucx.ops import atomic as atomic_ops
 
 from conftest import TRANSPORTS, channel_pair, join_ok, spawn
 from peers_rma import adder
@@ -18,15 +19,19 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class AmoPair:
-    """Two workers connected without peer error handling: UCX (>= 1.19)
-    offers atomic protocols only on such endpoints."""
+    """Two workers connected both ways.  ``path="ucx"``: without peer error
+    handling, where UCX (>= 1.19) has atomic protocols and gpucx uses
+    ``ucp_atomic_op_nbx``; ``path="emulated"``: the default endpoints, where
+    gpucx runs atomics over its own active messages."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, path="ucx"):
         self.ctx = ctx
         self.a = ctx.create_worker()
         self.b = ctx.create_worker()
-        self.ab = self.a.connect(self.b.address, error_handling=False)
-        self.ba = self.b.connect(self.a.address, error_handling=False)
+        eh = path == "emulated"
+        self.ab = self.a.connect(self.b.address, error_handling=eh)
+        self.ba = self.b.connect(self.a.address, error_handling=eh)
+        assert atomic_ops.emulated(self.ab) == eh
 
     def drive(self, *reqs):
         while not all(r.done() for r in reqs):
@@ -34,9 +39,9 @@ class AmoPair:
         return [r.result() for r in reqs]
 
 
-@pytest.fixture
-def amo(ctx):
-    return AmoPair(ctx)
+@pytest.fixture(params=["ucx", "emulated"])
+def amo(ctx, request):
+    return AmoPair(ctx, request.param)
 
 
 def counter(amo, dtype, values):
@@ -194,23 +199,20 @@ def test_closed_endpoint_and_key(amo):
     region.close()
 
 
-def test_error_handling_endpoint_without_atomic_protocol(ctx):
-    """UCX (>= 1.19) has no atomic protocol on endpoints with peer error
-    handling; the blocking call says so instead of a bare cancel."""
+def test_default_endpoint_runs_atomics(ctx):
+    """Endpoints with peer error handling (the default) run every atomic:
+    UCX (>= 1.19) has no atomic protocol there, gpucx emulates them."""
     a, b = ctx.create_worker(), ctx.create_worker()
     ab = a.connect(b.address)  # peer error handling (the default)
+    assert atomic_ops.emulated(ab)
     mem = np.zeros(1, np.uint64)
     region = ctx.register(mem)
     key = ab.unpack(region.remote())
     with background(b):
-        try:
-            old = ab.fetch_add(key, 3)
-        except gpucx.UnsupportedError as exc:
-            assert "error_handling=False" in str(exc)
-        else:  # a UCX that offers the protocol: the result must be right
-            assert old == 0
-            ab.flush()
-            assert mem[0] == 3
+        assert ab.fetch_add(key, 3) == 0
+        ab.flush()
+    assert mem[0] == 3
+    assert ab.error is None
     region.close()
 
 
@@ -254,22 +256,25 @@ def test_two_processes_race_on_one_counter(tls, nbytes):
 
 
 @pytest.mark.timeout(60)
-def test_atomics_on_an_accepted_endpoint_without_error_handling():
-    """Listener.accept(error_handling=False) gives an endpoint UCX can run
-    atomics on (UCX has no atomic protocol with peer error handling)."""
-    with gpucx.Context(features={"tag", "rma", "amo"}) as ctx:
+@pytest.mark.parametrize("eh", [False, True], ids=["ucx", "emulated"])
+def test_atomics_on_an_accepted_endpoint(eh):
+    """Listener.accept(error_handling=False) gives an endpoint UCX runs
+    atomics on; the default one (peer error handling, no UCX protocol) runs
+    gpucx's emulation."""
+    with gpucx.Context(features={"tag", "rma", "amo", "am"}) as ctx:
         owner, user = ctx.create_worker(), ctx.create_worker()
         lst = owner.listen(host="127.0.0.1")
-        ep = user.connect(("127.0.0.1", lst.port), error_handling=False)
+        ep = user.connect(("127.0.0.1", lst.port), error_handling=eh)
         back = None
         for _ in range(2000):
             user.progress()
             try:
-                back = lst.accept(timeout=0.005, error_handling=False)
+                back = lst.accept(timeout=0.005, error_handling=eh)
                 break
             except gpucx.TimeoutError:
                 pass
         assert back is not None
+        assert atomic_ops.emulated(back) == eh
         counter = np.zeros(1, np.uint64)
         with ctx.register(counter) as region:
             rkey = back.unpack(region.remote())

@@ -167,7 +167,6 @@ def test_validate_rejects_unknown_and_bad_counts():
         (BenchOptions(window=0), "--window"),
         (BenchOptions(device=-1), "--device"),
         (BenchOptions(vs_perftest=True, client="h:1"), "--vs-perftest"),
-        (BenchOptions(tests=("fadd_lat",)), "--no-error-handling"),
     ):
         with pytest.raises(BenchSetupError, match=msg):
             validate(opts)

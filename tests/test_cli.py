@@ -362,9 +362,12 @@ def test_info_json():
     assert info["ucx_info_error"] is None
 
 
-def test_fadd_lat_with_error_handling_exits_2():
-    """UCX offers no atomics with peer error handling: say so, run nothing."""
-    one_line_error(gpucx("bench", "-t", "fadd_lat", timeout=60), "--no-error-handling")
+def test_fadd_lat_with_error_handling_runs_emulated_atomics():
+    """UCX offers no atomics with peer error handling; gpucx emulates them
+    over active messages, so the default endpoints measure that path."""
+    p = gpucx("bench", "-t", "fadd_lat", *QUICK, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "fadd_lat" in p.stdout
 
 
 def test_point_that_times_out_exits_1_cleanly():
@@ -388,3 +391,93 @@ def test_point_that_times_out_exits_1_cleanly():
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("gpucx bench: error: tag_bw 16M:"), last
     assert "timed out" in last.lower()
+
+
+# -- the server's exposure -----------------------------------------------------------
+
+
+def _start_server(*extra):
+    server = subprocess.Popen(
+        [*GPUCX, "bench", "--server", "--port", "0", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    line = server.stdout.readline()
+    info = server.stdout.readline()
+    return server, line, info
+
+
+def _stop(server):
+    if server.poll() is None:
+        server.kill()
+    server.wait()
+    err = server.stderr.read()
+    server.stdout.close()
+    server.stderr.close()
+    return err
+
+
+@pytest.mark.timeout(60)
+def test_server_listens_on_loopback_by_default():
+    server, line, info = _start_server()
+    try:
+        assert "listening on 127.0.0.1:" in line, line
+        # Only what the default tests need: no rma, no amo.
+        assert info.strip().endswith("context features tag"), info
+    finally:
+        err = _stop(server)
+    assert "warning" not in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_server_warns_when_listening_on_all_interfaces(host):
+    server, line, info = _start_server("--host", host)
+    try:
+        assert f"listening on {host}:" in line, line
+    finally:
+        err = _stop(server)
+    assert "warning: listening on all interfaces" in err, err
+
+
+@pytest.mark.timeout(60)
+def test_server_enables_rma_and_amo_only_for_tests_that_need_them():
+    server, line, info = _start_server("-t", "put_bw,tag_lat")
+    try:
+        assert info.strip().endswith("context features rma,tag"), info
+    finally:
+        _stop(server)
+    server, line, info = _start_server("-t", "fadd_lat")
+    try:
+        assert info.strip().endswith("context features am,amo,rma,tag"), info
+    finally:
+        _stop(server)
+
+
+@pytest.mark.timeout(120)
+def test_server_refuses_a_test_it_was_not_started_with_then_serves_one_it_was():
+    server, line, info = _start_server("--host", "127.0.0.1")
+    try:
+        port = int(line.rsplit(":", 1)[1])
+        p = gpucx(
+            "bench", "--client", f"127.0.0.1:{port}", "-t", "put_bw", "-s", "8", *QUICK
+        )
+        assert p.returncode != 0
+        assert "start it with -t put_bw" in p.stderr, p.stderr
+    finally:
+        _stop(server)
+    server, line, info = _start_server("-t", "fadd_lat")
+    try:
+        port = int(line.rsplit(":", 1)[1])
+        p = gpucx("bench", "--client", f"127.0.0.1:{port}", "-t", "fadd_lat", *QUICK)
+        assert p.returncode == 0, p.stderr
+        assert "fadd_lat" in p.stdout
+        assert server.wait(30) == 0
+    finally:
+        _stop(server)
+
+
+def test_server_rejects_unknown_tests():
+    p = gpucx("bench", "--server", "-t", "nope", timeout=60)
+    assert p.returncode == 2 and "unknown test 'nope'" in p.stderr

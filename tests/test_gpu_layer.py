@@ -604,7 +604,7 @@ def test_eager_am_into_cuda_is_copied_by_the_driver(fake_driver, pair):
     assert kinds.index("set_current") < kinds.index("event_record")
     assert kinds.index("event_record") < kinds.index("memcpy")
     assert ("memcpy", _address(arr)) == fake_driver.calls[kinds.index("memcpy")][:2]
-    with pytest.raises(RuntimeError, match="already received"):
+    with pytest.raises(gpucx.AlreadyReceivedError, match="already received"):
         msg.receive_into(bytearray(10))
 
 

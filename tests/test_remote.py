@@ -287,3 +287,61 @@ def test_unpack_rejects_malformed_blob(pair):
         pair.ab.unpack(b"Z" * 64)
     with pytest.raises(TypeError):
         pair.ab.unpack(12345)
+
+
+# -- damaged packed keys reach UCX padded ---------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tls", ["default", "tcp", "shm"])
+def test_truncated_rkey_unpack_never_reads_past_the_blob(tls):
+    """Every prefix of a real packed key, sealed into a token with a valid
+    checksum (as a crafted token would be), reaches ``ucp_ep_rkey_unpack``
+    from a zero-padded copy: UCX parses zeros past the end instead of
+    whatever follows the blob in memory (unpadded, the default transports
+    crashed on the 2-byte prefix), and the process survives all of them."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    out = subprocess.run(
+        [sys.executable, os.path.join(here, "peers_rkey.py"), tls, "trunc", "0"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=here,
+    )
+    assert out.returncode == 0, (out.returncode, out.stdout[-500:], out.stderr[-1000:])
+    assert "survived" in out.stdout.split()  # UCX logs to stdout too
+
+
+@pytest.mark.parametrize("n", [1, 7, 64, 300])
+def test_garbage_rkey_reaches_ucx_from_a_padded_copy(ctx, monkeypatch, n):
+    """What UCX gets for a garbage key: a copy of it followed by RKEY_PAD
+    zero bytes (UCX itself is not called here: it trusts a key's contents
+    and may crash on garbage, see docs/rma.md)."""
+    import random
+
+    from gpucx.mem import remote as remote_mod
+
+    seen = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(lib, name)
+
+        def gpucx_rkey_unpack(self, ep, blob, out):
+            seen.append(bytes(ffi.buffer(blob, n + remote_mod.RKEY_PAD)))
+            return lib.UCS_ERR_INVALID_PARAM
+
+    from gpucx._lib import ffi, lib
+
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab = a.connect(b.address)
+    garbage = random.Random(n).randbytes(n)
+    token = gpucx.RemoteMemory(0x1000, 64, gpucx.MemoryType.HOST, garbage)
+    monkeypatch.setattr(remote_mod, "lib", Spy())
+    with pytest.raises(gpucx.UCXError):
+        ab.unpack(token.to_bytes())
+    assert seen == [garbage + bytes(remote_mod.RKEY_PAD)]

@@ -109,6 +109,74 @@ def test_put_into_allocated_region(pair, tls):
     region.close()
 
 
+def test_register_inside_allocated_region_shares_its_mapping(pair, tls):
+    whole = pair.ctx.allocate(1 << 20)
+    view = whole.as_array()
+    view[:] = 0
+    sub = pair.ctx.register(view[4096 : 4096 + 8192])
+    assert sub.address == whole.address + 4096 and sub.nbytes == 8192
+    assert sub.obj is not None and "in an allocated region" in repr(sub)
+    # Same UCX keys (the shared-memory ones a peer maps), bounds of the view.
+    assert sub.pack_rkey() == whole.pack_rkey()
+    token = sub.remote()
+    assert (token.address, token.nbytes) == (whole.address + 4096, 8192)
+    key = pair.ab.unpack(token)
+    src = pattern(11, 8192)
+    pair.drive(pair.ab.put_nb(src, key))
+    with background(pair.b):
+        pair.ab.flush()
+    assert np.array_equal(view[4096 : 4096 + 8192], src)
+    assert not view[:4096].any() and not view[4096 + 8192 :].any()
+    with pytest.raises(ValueError, match="outside the remote region"):
+        pair.ab.put(b"12", key, 8191)
+    # Closing the view unmaps nothing: the allocation still works.
+    key.close()
+    sub.close()
+    key2 = pair.ab.unpack(whole.remote())
+    pair.drive(pair.ab.put_nb(src[:16], key2, 0))
+    with background(pair.b):
+        pair.ab.flush()
+    assert np.array_equal(view[:16], src[:16])
+    key2.close()
+    whole.close()
+
+
+def test_register_inside_allocated_region_read_only_and_lifetime(pair):
+    whole = pair.ctx.allocate(1 << 16)
+    view = whole.as_array()
+    ro = pair.ctx.register(view[:100], writable=False)
+    assert ro.readonly
+    # Read-only: its own mapping, without remote write permission, not the
+    # allocation's writable one.
+    assert ro._own_map and ro._h != whole._h
+    key = pair.ab.unpack(ro.remote())
+    with pytest.raises(ValueError, match="read-only"):
+        pair.ab.put(b"x", key)
+    key.close()
+    rw = pair.ctx.register(view[100:200])
+    # The allocation closes the regions inside it first.
+    whole.close()
+    assert ro.closed and rw.closed
+    with pytest.raises(gpucx.ClosedError):
+        rw.remote()
+
+
+def test_register_outside_or_across_allocation_maps_its_own(pair):
+    whole = pair.ctx.allocate(1 << 16)
+    other = np.zeros(1 << 16, np.uint8)
+    own = pair.ctx.register(other)
+    assert "in an allocated region" not in repr(own)
+    assert own.pack_rkey() != whole.pack_rkey()
+    own.close()
+    # Memory of another context's allocation is registered on its own.
+    with gpucx.Context(features=["rma"]) as ctx2:
+        r2 = ctx2.register(whole.as_array()[:64])
+        assert "in an allocated region" not in repr(r2)
+    whole.close()
+    # After the allocation closed, nothing refers to it any more.
+    assert not [r for r in pair.ctx._host_allocations if not r.closed]
+
+
 # -- completion levels ---------------------------------------------------------
 
 
@@ -221,7 +289,7 @@ def test_notify_handler_exception_reaches_progress_and_removal(pair):
     pair.drive(pair.ab.put_nb(b"x", key, notify=b"first"))
     pair.drive(pair.ab.put_nb(b"y", key, notify=b"second"))
     end = time.monotonic() + 10
-    while pair.b._notify_q.count < 2 and time.monotonic() < end:
+    while pair.b.stats()["notify"].count < 2 and time.monotonic() < end:
         pair.a.progress()
         pair.b.progress()
     pair.b.set_notify_handler(boom)
@@ -455,7 +523,11 @@ def notified_puts(q, w, seeds, put_nb):
     assert all(same_ep for _, _, same_ep in result), result
 
 
-@pytest.mark.parametrize("allocate", [False, True], ids=["registered", "allocated"])
+@pytest.mark.parametrize(
+    "allocate",
+    [False, True, "view"],
+    ids=["registered", "allocated", "registered-in-allocated"],
+)
 def test_put_get_across_processes(tls, allocate):
     size = 4 << 20
     with owner_session(tls, size, allocate) as (q, w, ep, key):

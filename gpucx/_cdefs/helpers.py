@@ -27,7 +27,6 @@ struct gpucx_worker_state {
     int efd;
     unsigned err_head;
     unsigned err_tail;
-    unsigned err_dropped;
     ...;
 };
 
@@ -35,9 +34,17 @@ typedef struct gpucx_listener_state {
     ucp_listener_h listener;
     unsigned head;
     unsigned tail;
-    unsigned rejected;
     ...;
 } gpucx_listener_state_t;
+
+typedef struct gpucx_qstat {
+    size_t count;
+    size_t bytes;
+    size_t max_count;
+    size_t max_bytes;
+    uint64_t dropped;
+    uint64_t dropped_bytes;
+} gpucx_qstat_t;
 
 static const unsigned GPUCX_HEADERS_MAJOR;
 static const unsigned GPUCX_HEADERS_MINOR;

@@ -18,7 +18,7 @@ typedef struct gpucx_am_state {
     unsigned head;
     unsigned tail;
     unsigned cap;
-    unsigned dropped;
+    uint64_t drops;
     ...;
 } gpucx_am_state_t;
 
@@ -42,7 +42,10 @@ static const unsigned GPUCX_AM_SEND_RNDV;
 
 FUNCTIONS = """
 ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install);
-void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker);
+void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker,
+                   const size_t *caps);
+void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
+                    gpucx_qstat_t *queue);
 int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
 void gpucx_am_drain(gpucx_am_state_t *st);

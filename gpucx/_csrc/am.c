@@ -31,8 +31,14 @@ typedef struct gpucx_am_state {
     unsigned        head;    /* next message to pop */
     unsigned        tail;    /* next free entry; head == tail: empty */
     unsigned        cap;
-    unsigned        dropped; /* messages lost for lack of memory */
     gpucx_am_msg_t *q;
+    /* Caps and counters (guarded by lock): queue describes q[head, tail),
+     * kept every reg's kq together.  drops counts every message a cap (or
+     * lack of memory) dropped, here and in the worker's notification
+     * queue; Python compares it with what it saw to warn. */
+    gpucx_qstat_t   queue;
+    gpucx_qstat_t   kept;
+    uint64_t        drops;
     /* Push (inside progress) and pop (Python) may run in different threads
      * of a "multi" worker; uncontended, the lock costs a few ns. */
     pthread_mutex_t lock;
@@ -104,6 +110,20 @@ static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
 
 static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
+
+/* The bytes a queued message holds here, for the byte caps: its header
+ * copy and eager data (a rendezvous payload stays at the sender). */
+static inline size_t gpucx__am_charge(uint64_t attr, size_t length,
+                                      size_t header_length)
+{
+    return header_length +
+           ((attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? 0 : length);
+}
+
+static inline size_t gpucx__am_msg_charge(const gpucx_am_msg_t *m)
+{
+    return gpucx__am_charge(m->flags, m->length, m->header_length);
+}
 
 /* Make room for one more entry of a message queue: compact, then grow. */
 static int gpucx__msgq_reserve(gpucx_am_msg_t **qp, unsigned *head,
@@ -258,6 +278,8 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
                                       UCP_AM_RECV_ATTR_FLAG_RNDV)) != 0;
     void             *hdr  = NULL;
     void             *copy = NULL;
+    size_t            charge = gpucx__am_charge(attr, length, header_length);
+    gpucx_qstat_t    *qs;
 
     if (reg->ptail != reg->phead) { /* unlocked peek; checked again below */
         pthread_mutex_lock(&st->lock);
@@ -281,12 +303,25 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
         free(copy);
         return gpucx__am_deliver(reg, data, length, attr);
     }
+    qs = reg->keep ? &st->kept : &st->queue;
+    if (!gpucx__qstat_admit(qs, charge, &st->drops)) {
+        /* Past a cap: eager data is given back to UCX, a rendezvous
+         * payload is never fetched (UCX releases its descriptor and the
+         * sender completes). */
+        pthread_mutex_unlock(&st->lock);
+        free(hdr);
+        free(copy);
+        return UCS_OK;
+    }
     if ((header_length != 0 && hdr == NULL) ||
         (!keep && length != 0 && copy == NULL) ||
         !(reg->keep ? gpucx__msgq_reserve(&reg->kq, &reg->khead, &reg->ktail,
                                           &reg->kcap)
                     : gpucx__amq_reserve(st))) {
-        st->dropped++;
+        gpucx__qstat_leave(qs, charge);
+        qs->dropped++;
+        qs->dropped_bytes += charge;
+        __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&st->lock);
         free(hdr);
         free(copy);
@@ -404,6 +439,7 @@ static int gpucx__am_kept_pop(gpucx_am_reg_t *reg, gpucx_am_msg_t *out)
     if (reg->khead == reg->ktail) {
         reg->khead = reg->ktail = 0;
     }
+    gpucx__qstat_leave(&reg->state->kept, gpucx__am_msg_charge(out));
     free(out->header); /* posted receives do not keep headers */
     out->header        = NULL;
     out->header_length = 0;
@@ -572,12 +608,20 @@ static void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep)
     pthread_mutex_lock(&st->lock);
     if (!keep) {
         for (i = reg->khead; i < reg->ktail; i++) {
-            if (gpucx__amq_reserve(st)) {
-                st->q[st->tail++] = reg->kq[i];
-            } else {
-                st->dropped++;
-                gpucx_am_release(st->worker, &reg->kq[i]);
+            size_t charge = gpucx__am_msg_charge(&reg->kq[i]);
+
+            gpucx__qstat_leave(&st->kept, charge);
+            if (gpucx__qstat_admit(&st->queue, charge, &st->drops)) {
+                if (gpucx__amq_reserve(st)) {
+                    st->q[st->tail++] = reg->kq[i];
+                    continue;
+                }
+                gpucx__qstat_leave(&st->queue, charge);
+                st->queue.dropped++;
+                st->queue.dropped_bytes += charge;
+                __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
             }
+            gpucx_am_release(st->worker, &reg->kq[i]);
         }
         reg->khead = reg->ktail = 0;
     }
@@ -600,6 +644,7 @@ static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
 
     pthread_mutex_lock(&st->lock);
     for (i = reg->khead; i < reg->ktail; i++) {
+        gpucx__qstat_leave(&st->kept, gpucx__am_msg_charge(&reg->kq[i]));
         gpucx_am_release(st->worker, &reg->kq[i]);
     }
     free(reg->kq);
@@ -632,17 +677,32 @@ static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
         if (st->head == st->tail) {
             st->head = st->tail = 0;
         }
+        gpucx__qstat_leave(&st->queue, gpucx__am_msg_charge(out));
         found = 1;
     }
     pthread_mutex_unlock(&st->lock);
     return found;
 }
 
-static void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker)
+/* caps: kept count, kept bytes, queue count, queue bytes (0: no cap). */
+static void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker,
+                          const size_t *caps)
 {
     memset(st, 0, sizeof(*st));
     st->worker = worker;
+    gpucx_qstat_init(&st->kept, caps[0], caps[1]);
+    gpucx_qstat_init(&st->queue, caps[2], caps[3]);
     pthread_mutex_init(&st->lock, NULL);
+}
+
+/* A consistent copy of the counters of both queues. */
+static void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
+                           gpucx_qstat_t *queue)
+{
+    pthread_mutex_lock(&st->lock);
+    *kept  = st->kept;
+    *queue = st->queue;
+    pthread_mutex_unlock(&st->lock);
 }
 
 /* Release the data of a popped message exactly once (eager data or an

@@ -24,10 +24,13 @@ static const unsigned GPUCX_NOTIFY_MAX_LEN = GPUCX_NOTIFY_MAX;
 /* ---- memory regions ---------------------------------------------------- */
 
 /* Map existing memory (allocate=0) or let UCX allocate (allocate=1).
+ * readonly: map without remote write permission (UCP_MEM_MAP_PROT_*; what
+ * each transport then enforces is in docs/rma.md).
  * On success *addr_out / *len_out / *memtype_out describe the region. */
 static ucs_status_t gpucx_mem_map(ucp_context_h ctx, void *address,
                                   size_t length, int memory_type, int allocate,
-                                  ucp_mem_h *memh, uint64_t *addr_out,
+                                  int readonly, ucp_mem_h *memh,
+                                  uint64_t *addr_out,
                                   size_t *len_out, int *memtype_out)
 {
     ucp_mem_map_params_t params;
@@ -41,6 +44,11 @@ static ucs_status_t gpucx_mem_map(ucp_context_h ctx, void *address,
     params.address = allocate ? NULL : address;
     params.length  = length;
     params.flags   = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
+    if (readonly) {
+        params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_PROT;
+        params.prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE |
+                      UCP_MEM_MAP_PROT_REMOTE_READ;
+    }
     if (memory_type >= 0) {
         params.field_mask |= UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
         params.memory_type = (ucs_memory_type_t)memory_type;
@@ -377,12 +385,26 @@ typedef struct gpucx_notice {
     char                 data[];
 } gpucx_notice_t;
 
+/* The owner's queue.  Push (inside progress, maybe a ProgressThread) and
+ * pop (Python) may run in different threads of a "multi" worker: lock
+ * guards the list and stat, as the AM state's lock does for its queues.
+ * stat.count is also read without the lock as a cheap "anything there?". */
 typedef struct gpucx_notify_q {
     gpucx_notice_t *head;
     gpucx_notice_t *tail;
-    size_t          count;
-    size_t          dropped; /* out of memory, or a rendezvous message */
+    gpucx_qstat_t   stat;  /* caps; drops past them, out of memory, rndv */
+    uint64_t       *drops; /* the worker-wide drop counter (AM state) */
+    pthread_mutex_t lock;
 } gpucx_notify_q_t;
+
+static void gpucx__notify_drop(gpucx_notify_q_t *q, size_t length)
+{
+    q->stat.dropped++;
+    q->stat.dropped_bytes += length;
+    if (q->drops != NULL) {
+        __atomic_fetch_add(q->drops, 1, __ATOMIC_RELAXED);
+    }
+}
 
 static ucs_status_t gpucx__notify_am_cb(void *arg, const void *header,
                                         size_t header_length, void *data,
@@ -394,14 +416,23 @@ static ucs_status_t gpucx__notify_am_cb(void *arg, const void *header,
 
     (void)header;
     (void)header_length;
+    pthread_mutex_lock(&q->lock);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        /* gpucx always sends notifications eagerly; not one of ours. */
-        q->dropped++;
+        /* gpucx always sends notifications eagerly; not one of ours (UCX
+         * releases it unfetched). */
+        gpucx__notify_drop(q, 0);
+        pthread_mutex_unlock(&q->lock);
+        return UCS_OK;
+    }
+    if (!gpucx__qstat_admit(&q->stat, length, q->drops)) {
+        pthread_mutex_unlock(&q->lock);
         return UCS_OK;
     }
     n = (gpucx_notice_t *)malloc(sizeof(*n) + length);
     if (n == NULL) {
-        q->dropped++;
+        gpucx__qstat_leave(&q->stat, length);
+        gpucx__notify_drop(q, length);
+        pthread_mutex_unlock(&q->lock);
         return UCS_OK;
     }
     n->next   = NULL;
@@ -417,15 +448,32 @@ static ucs_status_t gpucx__notify_am_cb(void *arg, const void *header,
         q->head = n;
     }
     q->tail = n;
-    q->count++;
+    pthread_mutex_unlock(&q->lock);
     return UCS_OK;
+}
+
+/* Set up q (every worker, with or without the "am" feature): caps are
+ * count and bytes (0: no cap); drops is the worker-wide drop counter. */
+static void gpucx_notify_setup(gpucx_notify_q_t *q, size_t max_count,
+                               size_t max_bytes, uint64_t *drops)
+{
+    memset(q, 0, sizeof(*q));
+    gpucx_qstat_init(&q->stat, max_count, max_bytes);
+    q->drops = drops;
+    pthread_mutex_init(&q->lock, NULL);
+}
+
+static void gpucx_notify_stats(gpucx_notify_q_t *q, gpucx_qstat_t *out)
+{
+    pthread_mutex_lock(&q->lock);
+    *out = q->stat;
+    pthread_mutex_unlock(&q->lock);
 }
 
 static ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q)
 {
     ucp_am_handler_param_t params;
 
-    memset(q, 0, sizeof(*q));
     params.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
                         UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                         UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -440,15 +488,18 @@ static ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q)
 /* Pop the oldest notification (the caller frees it with gpucx_free). */
 static gpucx_notice_t *gpucx_notify_pop(gpucx_notify_q_t *q)
 {
-    gpucx_notice_t *n = q->head;
+    gpucx_notice_t *n;
 
+    pthread_mutex_lock(&q->lock);
+    n = q->head;
     if (n != NULL) {
         q->head = n->next;
         if (q->head == NULL) {
             q->tail = NULL;
         }
-        q->count--;
+        gpucx__qstat_leave(&q->stat, n->length);
     }
+    pthread_mutex_unlock(&q->lock);
     return n;
 }
 
@@ -470,11 +521,11 @@ static size_t gpucx_notify_wait(ucp_worker_h worker, gpucx_notify_q_t *q,
     unsigned n        = 0;
 
     ucp_worker_progress(worker);
-    while (q->count == 0) {
+    while (__atomic_load_n(&q->stat.count, __ATOMIC_RELAXED) == 0) {
         ucp_worker_progress(worker);
         if ((++n & 63) == 0 && gpucx__now_ns() >= deadline) {
             break;
         }
     }
-    return q->count;
+    return __atomic_load_n(&q->stat.count, __ATOMIC_RELAXED);
 }

@@ -16,13 +16,17 @@ import gpucx
 
 from .memory import BenchSetupError
 from .session import BadControlMessage, PeerGone, Session, context_config, quote
-from .suites import TESTS, Params
+from .suites import DEFAULT_TESTS, TESTS, Params, server_features
 
 __all__ = ["serve", "serve_listener", "main"]
 
 
-def serve(sess: Session) -> None:
-    """Answer control messages until the client says ``quit``."""
+def serve(sess: Session, tests=None) -> None:
+    """Answer control messages until the client says ``quit``.
+
+    ``tests``: the names this server runs (None: every test); a request for
+    another one is answered with an error naming the option to start the
+    server with."""
     while True:
         try:
             cmd = sess.recv_ctrl(None)
@@ -42,6 +46,13 @@ def serve(sess: Session) -> None:
             continue
         try:
             params = Params.from_dict(cmd.get("params"))
+            if tests is not None and params.test not in tests:
+                raise BenchSetupError(
+                    f"this server serves {','.join(tests)}, not {params.test}: "
+                    f"start it with -t {params.test} (it enables the context "
+                    "features a test needs, rma and amo included, only for the "
+                    "tests it is started with)"
+                )
             test = TESTS[params.test](sess, params, server=True)
             extra = test.prepare()
         except Exception as exc:
@@ -88,6 +99,10 @@ def _use_device(device: int) -> None:
         pass
 
 
+#: Addresses that mean "every interface".
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
 def serve_listener(
     host: str,
     port: int,
@@ -96,18 +111,42 @@ def serve_listener(
     device: int,
     timeout: float,
     out=sys.stdout,
+    tests=DEFAULT_TESTS,
 ) -> None:
-    """``gpucx bench --server``: accept one client and serve it."""
-    with gpucx.Context(config=context_config(tls, listener=True)) as ctx:
+    """``gpucx bench --server``: accept one client and serve it.
+
+    The context gets only the features ``tests`` need (``rma`` for the
+    one-sided tests, ``amo`` for ``fadd_lat``): a peer reaches registered
+    memory only while the server runs such a test.  Listening on every
+    interface prints a warning: any host that reaches the port can connect.
+    """
+    tests = tuple(dict.fromkeys(tests))
+    features = server_features(tests)
+    with gpucx.Context(
+        features=features, config=context_config(tls, listener=True)
+    ) as ctx:
         w = ctx.create_worker()
         lst = w.listen(port=port, host=host)
+        if host.strip("[]") in ALL_INTERFACES:
+            print(
+                f"gpucx bench server: warning: listening on all interfaces "
+                f"({host or '0.0.0.0'}): any host that reaches port {lst.port} can "
+                "connect and run tests here; use --host to listen on one "
+                "address",
+                file=sys.stderr,
+                flush=True,
+            )
+        print(f"gpucx bench server listening on {host}:{lst.port}", file=out)
         print(
-            f"gpucx bench server listening on {host}:{lst.port}", file=out, flush=True
+            f"gpucx bench server: tests {','.join(tests)}; context features "
+            f"{','.join(sorted(features))}",
+            file=out,
+            flush=True,
         )
         ep = lst.accept()
         sess = Session(ctx, w, ep, role="server", device=device, timeout=timeout)
         try:
-            serve(sess)
+            serve(sess, tests)
         except PeerGone as exc:
             print(f"gpucx bench server: {exc}", file=sys.stderr)
         finally:

@@ -78,7 +78,7 @@ def validate(opts: BenchOptions) -> None:
     Raises
     ------
     BenchSetupError
-        Unknown test, fadd_lat with peer error handling, CUDA without a
+        Unknown test, CUDA without a
         GPU, no matplotlib for ``--plot``, no ucx_perftest for
         ``--vs-perftest``, counts out of range (the limits the peer
         checks: iters and warmup up to 2**32, window up to 65536, timeout
@@ -104,11 +104,6 @@ def validate(opts: BenchOptions) -> None:
                 f"--api prepared measures {' and '.join(PREPARED_TESTS)} only, "
                 f"not {', '.join(other)}"
             )
-    if "fadd_lat" in opts.tests and opts.error_handling:
-        raise BenchSetupError(
-            "fadd_lat needs --no-error-handling: UCX (>= 1.19) offers no atomic "
-            "operations on endpoints with peer error handling"
-        )
     if opts.iters is not None and not 1 <= opts.iters <= MAX_ITERS:
         raise BenchSetupError(f"--iters must be in [1, {MAX_ITERS}], not {opts.iters}")
     if opts.warmup is not None and not 0 <= opts.warmup <= MAX_ITERS:

@@ -41,6 +41,8 @@ ACK_TAG = 0x67707563_00000003
 
 #: Largest control message.
 _CTRL_MAX = 1 << 16
+#: Progress calls between health checks while a wait busy-polls.
+_SPIN_CHECK = 1000
 
 
 def context_config(tls: str | None, listener: bool = False) -> dict | None:
@@ -171,12 +173,16 @@ class Session:
             raise ValueError("control message too large")
         self.ep.send(data, tag=CTRL_TAG)
 
-    def recv_ctrl(self, timeout: float | None = None) -> dict:
+    def recv_ctrl(self, timeout: float | None = None, *, spin: bool = False) -> dict:
         """Wait for the peer's next control message.
 
         The receive is posted once and the worker sleeps on its event fd
         between checks of the deadline and of the peer's health, so a
-        message is never lost to a cancel.
+        message is never lost to a cancel.  With ``spin`` it busy-polls
+        instead (checking every ``_SPIN_CHECK`` progress calls), as
+        ``ucx_perftest``'s server does: the side serving one-sided
+        operations UCX emulates (RMA over shared memory with peer error
+        handling) must progress them at once.
 
         Raises
         ------
@@ -211,7 +217,12 @@ class Session:
                 raise gpucx.TimeoutError(
                     f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
                 )
-            lib.gpucx_worker_sleep(w._h, w._efd, 100)
+            if spin:
+                for _ in range(_SPIN_CHECK):
+                    if req.done():  # progresses once when not
+                        break
+            else:
+                lib.gpucx_worker_sleep(w._h, w._efd, 100)
         try:
             info = req.result()
         except gpucx.MessageTruncatedError as exc:

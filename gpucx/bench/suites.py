@@ -199,6 +199,9 @@ class Bench:
     fixed_sizes: tuple[int, ...] | None = None
     #: What the latency figure means (for the table's notes).
     latency_note = "one-way (half a round trip)"
+    #: Context features the serving side needs for this test
+    #: (``gpucx bench --server`` enables only those of the tests it serves).
+    features: frozenset[str] = frozenset({"tag"})
 
     def __init__(self, sess, params: Params, server: bool = False):
         self.s = sess
@@ -232,6 +235,26 @@ class Bench:
         self.s.worker.recv(
             numpy.zeros(1, numpy.uint64), tag=ACK_TAG, timeout=self.p.timeout
         )
+
+
+def spin_wait(sess, req, timeout: float):
+    """``req.wait(timeout)``, busy-polling the worker all the while.
+
+    ``Request.wait`` spins for ``GPUCX_SPIN_US`` and then sleeps on the
+    worker's event fd; a receiving side that sleeps makes the sender's
+    shared-memory transport signal it and wait for it to wake.
+    ``ucx_perftest``'s receiver polls without sleeping, so the bench's
+    receivers do too.  The deadline and the endpoint's health are checked
+    every 1000 polls; either ends in ``req.wait``, which raises.
+    """
+    end = time.monotonic() + timeout
+    ep = sess.ep
+    while True:
+        for _ in range(1000):
+            if req.done():
+                return req.wait(timeout)
+        if ep.error is not None or time.monotonic() > end:
+            return req.wait(max(end - time.monotonic(), 0.0))
 
 
 def c_slots(n: int):
@@ -404,6 +427,8 @@ class TagBw(Bench):
 
 
 class _AmBase(Bench):
+    features = frozenset({"tag", "am"})
+
     def _inbox(self):
         self.inbox: list = []
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
@@ -493,7 +518,7 @@ class AmBw(_AmBase):
             return
         for nxt in (self.p.iters, 0):
             for req in self.posted:
-                req.wait(self.p.timeout)
+                spin_wait(self.s, req, self.p.timeout)
             self.posted = self._post(nxt)  # before the ack lets the client go
             self.ack_send()
 
@@ -526,6 +551,7 @@ class AmBw(_AmBase):
 
 
 class StreamBw(Bench):
+    features = frozenset({"tag", "stream"})
     name = "stream_bw"
     kind = "bw"
     perftest = "stream_bw"
@@ -560,6 +586,10 @@ class StreamBw(Bench):
 
 
 class _RmaBase(Bench):
+    features = frozenset({"tag", "rma"})
+    #: Whether the server busy-polls while the client runs (see serve()).
+    serve_spin = False
+
     def prepare(self) -> dict:
         self.target = self.buffer()
         self.region = self.s.ctx.register(self.target)
@@ -570,7 +600,7 @@ class _RmaBase(Bench):
 
     def serve(self) -> None:
         # One-sided: the server only progresses until the client is done.
-        msg = self.s.recv_ctrl(self.p.timeout)
+        msg = self.s.recv_ctrl(self.p.timeout, spin=self.serve_spin)
         if msg.get("op") != "fin":
             raise BenchSetupError(f"unexpected control message {quote(msg)}")
 
@@ -712,6 +742,12 @@ class GetBw(_RmaBw):
     perftest = "ucp_get"
     op = "get_nb"
     get = 1
+    # Over shared memory with peer error handling UCX emulates gets with
+    # messages the target answers: the server busy-polls, as ucx_perftest's
+    # does.  Puts into memory from ctx.allocate are plain copies into the
+    # mapped segment there; a spinning server would only take CPU from the
+    # client, so put_bw's server sleeps on the event fd between checks.
+    serve_spin = True
 
 
 class PutLat(_RmaBase):
@@ -739,6 +775,9 @@ class FaddLat(_RmaBase):
     perftest = "ucp_fadd"
     fixed_sizes = (8,)
     latency_note = "whole fetch-and-add (a round trip)"
+    # "am": on endpoints with peer error handling gpucx runs atomics over
+    # its own active messages (gpucx.ops.atomic).
+    features = frozenset({"tag", "rma", "amo", "am"})
 
     def measure(self, rmem) -> dict:
         ep = self.s.ep
@@ -755,6 +794,7 @@ class FaddLat(_RmaBase):
 
 
 class ArrayBw(Bench):
+    features = frozenset({"tag", "am"})
     name = "array_bw"
     kind = "bw"
     perftest = None
@@ -799,3 +839,11 @@ TESTS: dict[str, type[Bench]] = {
 
 #: What plain ``gpucx bench`` runs.
 DEFAULT_TESTS = ("tag_lat", "tag_bw")
+
+
+def server_features(tests) -> frozenset[str]:
+    """The context features a server needs to serve ``tests`` and no more."""
+    out: frozenset[str] = frozenset({"tag"})
+    for name in tests:
+        out |= TESTS[name].features
+    return out

@@ -9,6 +9,9 @@ peer put, get and run atomics on it.  Regions are children of their
 
 from __future__ import annotations
 
+import os
+import weakref
+
 import numpy
 
 from .._handle import Handle, raise_closed
@@ -22,21 +25,44 @@ from .remote import RemoteMemory
 __all__ = ["MemoryRegion", "register", "allocate"]
 
 
+class _Memory:
+    """What the views of a region hold: the registered object, whose memory
+    stays valid while a view exists even after the region is closed; for
+    memory UCX allocated, the mapping itself, which a close leaves mapped
+    until the last view is gone (see :meth:`MemoryRegion._release`)."""
+
+    __slots__ = ("obj", "__weakref__")
+
+    def __init__(self, obj):
+        self.obj = obj
+
+
 class _HostView:
-    """Exports region memory to NumPy; keeps the region and the registered
-    object (the memory's owner, None for an allocated region) referenced."""
+    """Exports region memory to NumPy and keeps the memory alive."""
 
-    __slots__ = ("__array_interface__", "_region", "_obj")
+    __slots__ = ("__array_interface__", "_memory")
 
-    def __init__(self, region, typestr: str, shape: tuple[int, ...]):
-        self._region = region
-        self._obj = region.obj
+    def __init__(self, memory, address, readonly, typestr, shape):
+        self._memory = memory
         self.__array_interface__ = {
             "version": 3,
             "shape": shape,
             "typestr": typestr,
-            "data": (region.address, region.readonly),
+            "data": (address, readonly),
         }
+
+
+def _unmap_later(ctx, ctx_h, memh, pid) -> None:
+    """The last view of a closed region allocated by UCX is gone: unmap it,
+    and finish the context's cleanup if that waited for it.  Never in a
+    forked child (the UCX state belongs to the parent)."""
+    if os.getpid() != pid:
+        return
+    lib.gpucx_mem_unmap(ctx_h, memh)
+    ctx._deferred_maps -= 1
+    if ctx._deferred_maps == 0 and ctx._cleanup_deferred:
+        ctx._cleanup_deferred = False
+        ctx._cleanup(ctx_h)
 
 
 class MemoryRegion(Handle):
@@ -61,7 +87,9 @@ class MemoryRegion(Handle):
         The registered object (held while mapped); None for allocations.
     """
 
-    def __init__(self, context, address, nbytes, memory_type, readonly, obj, alloc):
+    def __init__(
+        self, context, address, nbytes, memory_type, readonly, obj, alloc, within=None
+    ):
         self._init_handle()
         # Parents close children newest first; a negative serial puts regions
         # after every worker, so operations into region memory are drained
@@ -75,10 +103,20 @@ class MemoryRegion(Handle):
         self.obj = obj
         self._alloc = alloc
         self._packed: bytes | None = None
-        context._adopt(self)
+        self._memory_ref = None  # weakref to the _Memory views hold
+        #: The allocated region whose mapping this one shares (register()
+        #: of memory inside it), or None: it closes this one first and
+        #: unmaps; this one's close unmaps nothing.
+        self._within = within
+        #: Whether ``_h`` is this region's own mapping (False when it shares
+        #: the containing region's).
+        self._own_map = within is None
+        (within if within is not None else context)._adopt(self)
 
     def __repr__(self) -> str:
         kind = "allocated" if self._alloc else "registered"
+        if self._within is not None:
+            kind += " (in an allocated region)"
         state = "closed" if self._h is None else f"{self.address:#x}+{self.nbytes}"
         return f"<gpucx.MemoryRegion {kind} {self.memory_type.name} {state}>"
 
@@ -105,9 +143,23 @@ class MemoryRegion(Handle):
                 raise_closed(ctx)
             check(lib.gpucx_rkey_pack(ctx._h, self._h, out, n), "ucp_rkey_pack")
             try:
-                self._packed = bytes(ffi.buffer(out[0], n[0]))
+                packed = bytes(ffi.buffer(out[0], n[0]))
             finally:
                 lib.gpucx_free(out[0])
+            if not self.readonly:
+                # Exported: gpucx's emulated atomics (gpucx.ops.atomic) may
+                # reach this region from now until it is closed.
+                check(
+                    lib.gpucx_amo_export_add(
+                        ctx._amo_exports,
+                        id(self),
+                        self.address,
+                        self.nbytes,
+                        1 if self.memory_type == MemoryType.HOST else 0,
+                    ),
+                    "export",
+                )
+            self._packed = packed
         return self._packed
 
     #: Older name of :meth:`ucx_rkey`.
@@ -129,11 +181,12 @@ class MemoryRegion(Handle):
     def as_array(self, dtype=numpy.uint8, shape=None):
         """A NumPy (host) or CuPy (CUDA) array viewing the region.
 
-        The view keeps the region object and, for a registered region, the
-        registered object referenced, so it stays valid after :meth:`close`
-        (the memory belongs to that object).  It does not keep the region
-        mapped: a view of an *allocated* region must not be used after
-        :meth:`close`, which frees UCX's allocation.
+        The view keeps the memory alive: after :meth:`close` (or the
+        context's close) it still reads and writes the region's memory,
+        which is unmapped (memory UCX allocated) or released (the registered
+        object) only once the last view is gone.  Peers cannot reach the
+        memory of a closed region through gpucx's emulated atomics; what
+        they reach by RMA is UCX's matter (docs/rma.md).
 
         Parameters
         ----------
@@ -171,10 +224,15 @@ class MemoryRegion(Handle):
                 f"shape {shape} of {dt} needs {need} bytes; the region has "
                 f"{self.nbytes}"
             )
+        memory = self._memory_ref() if self._memory_ref is not None else None
+        if memory is None:
+            memory = _Memory(self.obj)
+            self._memory_ref = weakref.ref(memory)
         if self.memory_type == MemoryType.HOST:
-            return numpy.asarray(_HostView(self, dt.str, shape))
+            view = _HostView(memory, self.address, self.readonly, dt.str, shape)
+            return numpy.asarray(view)
         if self.memory_type in CUDA_TYPES:
-            return _cupy_view(self, dt, shape, need)
+            return _cupy_view(self, memory, dt, shape, need)
         from ..errors import UnsupportedError
 
         raise UnsupportedError(
@@ -184,28 +242,72 @@ class MemoryRegion(Handle):
     def _release(self) -> None:
         ctx = self._context
         if ctx._h is not None:
-            lib.gpucx_mem_unmap(ctx._h, self._h)
+            if self._packed is not None and not self.readonly:
+                # No emulated atomic touches the memory once this returns.
+                lib.gpucx_amo_export_remove(ctx._amo_exports, id(self))
+            memory = self._memory_ref() if self._memory_ref is not None else None
+            if not self._own_map:
+                pass  # the mapping is the containing region's to unmap
+            elif memory is not None and self.obj is None:
+                # Memory UCX allocated, still viewed: unmap it when the last
+                # view is gone (the context's cleanup waits for that too).
+                ctx._deferred_maps += 1
+                weakref.finalize(
+                    memory, _unmap_later, ctx, ctx._h, self._h, os.getpid()
+                )
+            else:
+                lib.gpucx_mem_unmap(ctx._h, self._h)
         self.obj = None
+        self._within = None
 
 
-def _cupy_view(region, dt, shape, need):
+def _allocated_host_regions(ctx):
+    """The open host regions ``ctx`` allocated (a weak set kept on it)."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if regions is None:
+        regions = weakref.WeakSet()
+        ctx._host_allocations = regions
+    return regions
+
+
+def _containing(ctx, ptr: int, nbytes: int):
+    """The open host region ``ctx`` allocated that holds ``[ptr, ptr+nbytes)``."""
+    regions = getattr(ctx, "_host_allocations", None)
+    if not regions:
+        return None
+    for r in list(regions):
+        if r._h is not None and r.address <= ptr <= r.address + r.nbytes - nbytes:
+            return r
+    return None
+
+
+def _cupy_view(region, memory, dt, shape, need):
     from ..errors import UnsupportedError
 
     try:
         import cupy
     except ImportError:
         raise UnsupportedError("viewing a CUDA region as an array needs CuPy") from None
-    mem = cupy.cuda.UnownedMemory(region.address, need, (region, region.obj))
+    mem = cupy.cuda.UnownedMemory(region.address, need, memory)
     return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool):
+def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
     memh = ffi.new("ucp_mem_h *")
     addr = ffi.new("uint64_t *")
     length = ffi.new("size_t *")
     mtype = ffi.new("int *")
     st = lib.gpucx_mem_map(
-        ctx._h, ptr, nbytes, memory_type, 1 if alloc else 0, memh, addr, length, mtype
+        ctx._h,
+        ptr,
+        nbytes,
+        memory_type,
+        1 if alloc else 0,
+        1 if readonly else 0,
+        memh,
+        addr,
+        length,
+        mtype,
     )
     check(st, "ucp_mem_map")
     return memh[0], addr[0], length[0], mtype[0]
@@ -248,6 +350,28 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
         raise ValueError("cannot register an empty buffer (0 bytes)")
+    parent = None
+    if buf.memory_type == MemoryType.HOST:
+        parent = _containing(ctx, buf.ptr, buf.nbytes)
+        # Only a writable registration shares the (writable) mapping: a
+        # read-only one gets its own, mapped without remote write permission,
+        # and still closes with the allocation, whose memory it is.
+        if parent is not None and writable:
+            # Memory UCX allocated (shared memory a peer on this host maps):
+            # share its mapping, so the token carries the same keys and
+            # peers write into it directly instead of through emulation.
+            region = MemoryRegion(
+                ctx,
+                buf.ptr,
+                buf.nbytes,
+                buf.memory_type,
+                not writable,
+                buf.owner,
+                False,
+                within=parent,
+            )
+            region._h = parent._h
+            return region
     pushed = False
     if buf.memory_type in CUDA_TYPES:
         # UCX registers device memory in the current context: make the
@@ -256,14 +380,27 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         pushed = _cuda.enter(buf.ptr)
     try:
         memh, _addr, _len, _mt = _map(
-            ctx, ffi.cast("void *", buf.ptr), buf.nbytes, int(buf.memory_type), False
+            ctx,
+            ffi.cast("void *", buf.ptr),
+            buf.nbytes,
+            int(buf.memory_type),
+            False,
+            not writable,
         )
     finally:
         _cuda.leave(pushed)
     region = MemoryRegion(
-        ctx, buf.ptr, buf.nbytes, buf.memory_type, not writable, buf.owner, False
+        ctx,
+        buf.ptr,
+        buf.nbytes,
+        buf.memory_type,
+        not writable,
+        buf.owner,
+        False,
+        within=parent,
     )
     region._h = memh
+    region._own_map = True
     return region
 
 
@@ -330,6 +467,8 @@ def allocate(
         got_mt = mt
     region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
     region._h = memh
+    if got_mt == MemoryType.HOST:
+        _allocated_host_regions(ctx).add(region)
     return region
 
 

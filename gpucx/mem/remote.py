@@ -22,9 +22,13 @@ truncated, oversized, foreign, newer or corrupted blobs with a
 :class:`ValueError` before UCX sees them.
 
 :class:`RemoteKey` is a token unpacked on one endpoint
-(``ucp_ep_rkey_unpack``): what RMA and atomic calls take.  It bounds-checks
-every access against the token, so a peer reaches exactly the bytes that
-were exported to it.
+(``ucp_ep_rkey_unpack``, from a zero-padded copy of the packed key): what
+RMA and atomic calls take.  It bounds-checks every access against the
+token, so an honest peer stays inside the bytes exported to it.  These
+checks run in the initiator's process: a hostile peer that skips them
+reaches whatever UCX lets its key reach (on shared memory and TCP, any
+address in the owner's process; see docs/rma.md, "What a peer can
+reach").  Only gpucx's emulated atomics are checked at the target.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ MAGIC = b"GXRM"
 FORMAT_VERSION = 1
 #: Largest packed remote key a token may carry.
 MAX_RKEY_LEN = 1 << 16
+
+#: Zero bytes after the copy of a packed key that UCX unpacks.
+RKEY_PAD = 4096
 
 FLAG_READONLY = 1
 _KNOWN_FLAGS = FLAG_READONLY
@@ -275,7 +282,14 @@ class RemoteKey(Handle):
         if h is None:
             raise_closed(ep)
         out = ffi.new("ucp_rkey_h *")
-        check(lib.gpucx_rkey_unpack(h, remote.rkey, out), "ucp_ep_rkey_unpack")
+        # UCX parses a packed key without its length: a truncated or crafted
+        # key makes it read past the end.  Hand it a zero-padded copy, as
+        # worker addresses get (endpoint.py), so such reads stay in memory
+        # gpucx owns and see zeros.
+        rkey = remote.rkey
+        padded = ffi.new("char[]", len(rkey) + RKEY_PAD)
+        ffi.memmove(padded, rkey, len(rkey))
+        check(lib.gpucx_rkey_unpack(h, padded, out), "ucp_ep_rkey_unpack")
         self._init_handle()
         self._h = out[0]
         self.remote = remote

@@ -19,11 +19,14 @@ Rules:
   dispatched by the next progress.
 * A message whose id has no handler when it is dispatched (the handler was
   cleared with ``set_am_handler(id, None)`` after the message arrived) is
-  **dropped with a** :class:`RuntimeWarning`.  Messages for ids that never had
-  a handler or a posted receive on the worker are dropped by UCX itself.
+  **dropped with a** :class:`RuntimeWarning` (the first of each id only).
+  Messages for ids that never had a handler or a posted receive on the
+  worker are dropped by UCX itself.
 * Posted receives (:func:`am_recv_nb`) are matched in the UCX callback.  An
   id used with them and without a handler keeps, in C, the messages that
-  find no posted receive, for the next receive posted.
+  find no posted receive, for the next receive posted (up to
+  ``GPUCX_AM_KEPT_MAX_COUNT`` / ``_BYTES``; past them messages are dropped
+  and counted in ``Worker.stats()``, see :mod:`gpucx._bounds`).
 * Handlers do not nest: while a handler runs, progress made inside it (a
   blocking reply, say) queues new messages instead of dispatching them.
 * Ids ``0xFF00``..``0xFFFF`` are reserved for gpucx itself
@@ -35,12 +38,19 @@ from __future__ import annotations
 import functools
 import warnings
 
+from .. import _bounds
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import MessageTruncatedError, UCXError, UnsupportedError, check
+from ..errors import (
+    AlreadyReceivedError,
+    MessageTruncatedError,
+    UCXError,
+    UnsupportedError,
+    check,
+)
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
-from ..request import SPIN_NS, Request, block, finish, new_slot, posted, raise_status
+from ..request import Request, block, finish, new_slot, posted, raise_status
 
 __all__ = [
     "AmMessage",
@@ -92,11 +102,21 @@ class _AmWorker:
         "held",
         "enabled",
         "recv_ids",
+        "array_stats",
+        "drops_seen",
+        "warn_at",
+        "unhandled",
     )
 
     def __init__(self, worker):
+        ctx = worker._context
         self.state = ffi.new("gpucx_am_state_t *")
-        lib.gpucx_am_init(self.state, worker._h)
+        kept, queue = _bounds.caps(ctx, "am_kept"), _bounds.caps(ctx, "am_queue")
+        lib.gpucx_am_init(self.state, worker._h, ffi.new("size_t[4]", kept + queue))
+        self.array_stats = _bounds.ArrayQueueStats(*_bounds.caps(ctx, "arrays"))
+        self.drops_seen = 0  # state.drops when drops were last looked at
+        self.warn_at = 0.0  # no drop warning before this time.monotonic()
+        self.unhandled: set = set()  # ids warned about having no handler
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
         self.handlers: dict = {}  # am_id -> callable
         self.live = [worker._h]  # set to None when the worker is destroyed
@@ -212,12 +232,17 @@ def dispatch(worker) -> None:
             msg = AmMessage(worker, pair, am)
             handler = handlers.get(msg.am_id)
             if handler is None:
-                warnings.warn(
-                    f"gpucx: active message id {msg.am_id} ({msg.nbytes} bytes) "
-                    "dropped: no handler is set for it",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+                # Once per id: a peer sending many must not make as many
+                # warnings.
+                if msg.am_id not in am.unhandled:
+                    am.unhandled.add(msg.am_id)
+                    warnings.warn(
+                        f"gpucx: active message id {msg.am_id} ({msg.nbytes} "
+                        "bytes) dropped: no handler is set for it (later "
+                        "messages of this id are dropped without a warning)",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 msg._drop()
                 continue
             handler(msg)
@@ -316,15 +341,18 @@ class AmMessage:
         Raises
         ------
         ValueError
-            For a rendezvous message (use :meth:`receive_into`) or one whose
-            payload was already received.
+            For a rendezvous message (use :meth:`receive_into`).
+        gpucx.AlreadyReceivedError
+            If the payload was already received.
         """
         if self.is_rndv:
             raise ValueError(
                 "a rendezvous active message has no data yet: use receive_into(buf)"
             )
         if self._taken:
-            raise ValueError("the payload of this message was already received")
+            raise AlreadyReceivedError(
+                "the payload of this message was already received"
+            )
         desc = self._desc
         if desc is None:
             # From now on the last view (not the message) recycles the record.
@@ -351,7 +379,7 @@ class AmMessage:
         ------
         gpucx.MessageTruncatedError
             If ``buf`` is smaller than the payload.
-        RuntimeError
+        gpucx.AlreadyReceivedError
             If the payload was already received.
         BufferError
             If ``buf`` is read-only or not contiguous.
@@ -365,7 +393,9 @@ class AmMessage:
         if w._h is None:
             raise_closed(w)
         if self._taken:
-            raise RuntimeError("the payload of this message was already received")
+            raise AlreadyReceivedError(
+                "the payload of this message was already received"
+            )
         ptr, n, mt, keep = acquire(buf, True, stream)
         nbytes = self.nbytes
         if n < nbytes:
@@ -616,7 +646,7 @@ def am_send(
     )
     slot = new_slot() if w._multi else w._sslot
     st = lib.gpucx_am_send_wait(
-        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, SPIN_NS
+        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
     )
     if cu:
         _cuda.leave(cu)
@@ -713,10 +743,13 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     message.  A matched message never reaches the id's handler; messages
     that find no posted receive go to the handler as usual, or, when the id
     has no handler, wait (in C, in arrival order) for the next receive
-    posted, which takes the oldest at once.  The first receive posted for an
-    id registers it: before that, UCX drops messages of an id with neither
-    handler nor receive.  The header and reply endpoint of a matched message
-    are not kept (use a handler when you need them).
+    posted, which takes the oldest at once; past the context's
+    ``GPUCX_AM_KEPT_MAX_COUNT`` / ``GPUCX_AM_KEPT_MAX_BYTES`` caps they are
+    dropped instead (counted in ``worker.stats()["am_kept"]``).  The first
+    receive posted for an id registers it: before that, UCX drops messages
+    of an id with neither handler nor receive.  The header and reply
+    endpoint of a matched message are not kept (use a handler when you need
+    them).
 
     Returns
     -------
@@ -768,7 +801,7 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     """
     reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
     slot = _new_slot() if worker._multi else worker._sslot
-    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, SPIN_NS)
+    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, worker._spin_ns)
     if st == _INPROGRESS:
         st = block(worker, slot, timeout, keep)
     if st != _OK:

@@ -28,6 +28,7 @@ import struct
 import time
 from collections import deque
 
+from .. import _bounds
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError
@@ -242,8 +243,15 @@ def send_array_nb(ep, arr, *, proto=None, stream=None):
     return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream)
 
 
+def _charge(msg) -> int:
+    """Bytes an array message holds here: header and eager payload."""
+    return len(msg.header) + (0 if msg.is_rndv else msg.nbytes)
+
+
 def _on_array(msg) -> None:
-    """Internal AM handler: queue the message by its sender's endpoint."""
+    """Internal AM handler: queue the message by its sender's endpoint,
+    within the caps of all array queues together
+    (``GPUCX_ARRAY_QUEUE_MAX_*``)."""
     import warnings
 
     reply_h = msg._reply_h
@@ -256,8 +264,38 @@ def _on_array(msg) -> None:
         msg._drop()
         return
     key = int(ffi.cast("uintptr_t", reply_h))
-    q = msg._worker._am.arrays
-    q.setdefault(key, deque()).append(msg)
+    w = msg._worker
+    am = w._am
+    q = am.arrays.get(key)
+    if q is None:
+        q = am.arrays[key] = deque()
+    s = am.array_stats
+    charge = _charge(msg)
+    if (s.max_count and s.count >= s.max_count) or (
+        s.max_bytes and s.bytes + charge > s.max_bytes
+    ):
+        # Past a cap: eager data goes back to UCX, a rendezvous payload is
+        # never fetched (its sender completes).
+        msg._drop()
+        s.dropped += 1
+        s.dropped_bytes += charge
+        if not q:
+            del am.arrays[key]
+        _bounds.dropped(w)
+        return
+    q.append(msg)
+    s.count += 1
+    s.bytes += charge
+
+
+def _pop(q, key, pending, am) -> None:
+    """Take the first queued array message of a sender off its queue."""
+    charge = _charge(pending.popleft())
+    s = am.array_stats
+    s.count -= 1
+    s.bytes -= charge
+    if not pending:
+        del q[key]
 
 
 def _default_allocator(nbytes: int, memory_type: int, device: int | None = None):
@@ -314,6 +352,9 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
 
 
 _CUDA_INTS = frozenset({int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)})
+#: Memory types a header may name: host and CUDA (anything else is refused
+#: and dropped, never left queued).
+_RECEIVABLE = _CUDA_INTS | {_HOST}
 
 
 def _limit(w, max_bytes) -> int:
@@ -330,15 +371,15 @@ def _limit(w, max_bytes) -> int:
     return max_bytes
 
 
-def _discard(q, key, pending) -> None:
+def _discard(q, key, pending, am) -> None:
     """Drop the first queued array message of a sender.
 
     A rendezvous message gives its descriptor back to UCX
     (``ucp_am_data_release``), which completes the sender's request.
     """
-    pending.popleft()._drop()
-    if not pending:
-        del q[key]
+    msg = pending[0]
+    _pop(q, key, pending, am)
+    msg._drop()
 
 
 def recv_array(
@@ -371,8 +412,8 @@ def recv_array(
         memory, visible to kernels launched afterwards on any stream.
     max_bytes : int or None
         The largest array payload, in bytes, to accept (0: no limit).  None:
-        the context's ``GPUCX_MAX_ARRAY_BYTES`` option (default 0, no
-        limit).  A larger array is refused before anything is allocated:
+        the context's ``GPUCX_MAX_ARRAY_BYTES`` option (default 4 GiB).
+        A larger array is refused before anything is allocated:
         its message is dropped (the sender's request completes) and
         ``ValueError`` is raised; the next call gets the next array.
 
@@ -390,8 +431,12 @@ def recv_array(
         memory on a context that cannot move it (the array stays queued:
         retry with another ``allocator=``).
     ValueError
-        A malformed array header, or an array of more than ``max_bytes``
-        bytes (the message is dropped); or ``max_bytes`` < 0.
+        A malformed array header (including a memory type other than host
+        or CUDA), or an array of more than ``max_bytes`` bytes (the message
+        is dropped, the next call gets the next array); or ``max_bytes`` < 0.
+    MemoryError
+        The allocator could not allocate the array (the message is
+        dropped, the next call gets the next array).
     TypeError
         If ``max_bytes`` is not an int or None.
     gpucx.ClosedError
@@ -426,25 +471,37 @@ def recv_array(
         if ep._state.error != lib.UCS_OK:
             raise ep.error  # UCX reported the peer failed (PeerError)
         pending = q.get(key)
+    am = w._am
     msg = pending[0]
     nbytes = msg.nbytes
     if limit and nbytes > limit:
-        _discard(q, key, pending)
+        _discard(q, key, pending, am)
         raise ValueError(
             f"recv_array: the peer sent an array of {nbytes} bytes, more than "
-            f"max_bytes={limit}; the array was dropped"
+            f"max_bytes={limit} (GPUCX_MAX_ARRAY_BYTES); the array was dropped"
         )
     try:
         dtype, shape, memtype = parse_header(msg.header, nbytes)
+        if memtype not in _RECEIVABLE:
+            raise ValueError(
+                f"array header memory type {MemoryType(memtype).name} is not "
+                "host or CUDA memory"
+            )
     except ValueError as exc:
-        _discard(q, key, pending)
+        _discard(q, key, pending, am)
         raise ValueError(f"recv_array: malformed array message: {exc}") from None
-    raw = _allocate(allocator, nbytes, memtype, device)
+    try:
+        raw = _allocate(allocator, nbytes, memtype, device)
+    except MemoryError as exc:
+        # Never retried into a wedge: the message goes, the next array comes.
+        _discard(q, key, pending, am)
+        raise MemoryError(
+            f"recv_array: cannot allocate {nbytes} bytes for the peer's array "
+            f"({exc or type(exc).__name__}); the array was dropped"
+        ) from None
     # Posting first: a receive that cannot start leaves the message queued.
     req = msg.receive_into(raw, stream=stream)
-    pending.popleft()
-    if not pending:
-        del q[key]
+    _pop(q, key, pending, am)
     out = _as_array(raw, dtype, shape, memtype, nbytes)
     # The array is here: give its transfer at least a second.
     rest = None if deadline is None else max(1.0, deadline - time.monotonic())

@@ -1,4 +1,12 @@
-"""Remote atomics (``ucp_atomic_op_nbx``) on 4- and 8-byte words.
+"""Remote atomics on 4- and 8-byte words.
+
+On endpoints without peer error handling they are ``ucp_atomic_op_nbx``.
+On endpoints with it (gpucx's default), where UCX (>= 1.19) has no atomic
+protocol, gpucx runs them over its own active messages (reserved ids
+``0xFF20``/``0xFF21``): the target's C handler checks the request against
+the regions its context exported (writable host memory, in bounds,
+aligned, ``"amo"`` feature), applies it with ``__atomic`` builtins and
+replies with the old value; see :func:`emulated` and docs/rma.md.
 
 Values are unsigned ``nbytes * 8``-bit integers; negative operands are taken
 in two's complement (``atomic_add(k, -1)`` decrements).  Fetched values are
@@ -14,10 +22,10 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import UnsupportedError
+from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
 from ..mem.remote import RemoteKey
-from ..request import INPROGRESS, SPIN_NS, Request, block, raise_status
+from ..request import INPROGRESS, Request, block, raise_status
 
 __all__ = [
     "atomic_add",
@@ -72,6 +80,80 @@ def _prepare(ep, rkey, offset, nbytes, what):
     return h, raddr
 
 
+def worker_init(worker) -> None:
+    """Install the C handlers of gpucx's emulated atomics on a new worker
+    (contexts with the ``"am"`` feature): the target side, which serves the
+    regions its context exported, and the initiator side, which completes
+    requests with the target's reply."""
+    worker._amo_ok = False
+    if "am" in worker._context.features:
+        st = lib.gpucx_amo_worker_init(worker._state, worker._context._amo_exports)
+        if st != lib.UCS_OK:
+            raise_status(st, "ucp_worker_set_am_recv_handler(atomics)")
+        worker._amo_ok = True
+
+
+def emulated(ep) -> bool:
+    """Whether atomics on ``ep`` run over gpucx's active messages.
+
+    The rule: an endpoint with peer error handling (gpucx's default) gets
+    gpucx's emulation, one without gets ``ucp_atomic_op_nbx``.  UCX (>= 1.19)
+    selects no atomic protocol on endpoints with peer error handling, and
+    finding that out by posting one fails the whole endpoint (UCX reports an
+    endpoint timeout), so gpucx does not probe.
+    """
+    return ep._peer_mode
+
+
+#: What a target's refusal of an emulated atomic means (its status).
+_REFUSED = {
+    lib.UCS_ERR_NO_ELEM: "the target has no exported writable region with this "
+    "key's address and size (closed, read-only, or never exported)",
+    lib.UCS_ERR_OUT_OF_RANGE: "the word is outside the target's region",
+    lib.UCS_ERR_INVALID_PARAM: "the target refused the request (alignment, "
+    "size or operation)",
+    lib.UCS_ERR_UNSUPPORTED: "the target does not serve atomics (its context "
+    'lacks the "amo" feature) or the region is not host memory',
+}
+
+
+def _fail(st, what, ep, emulate):
+    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not ep._w._amo_ok:
+        raise UnsupportedError(
+            f"{what}: atomics on an endpoint with peer error handling run over "
+            'active messages: this context needs the "am" feature (or connect '
+            "with error_handling=False)",
+            st,
+        )
+    if emulate and st in _REFUSED and ep._state.error == lib.UCS_OK:
+        exc = error_for(st, what)
+        exc.args = (f"{what}: {_REFUSED[st]} ({status_name(st)})",)
+        raise exc
+    raise_status(st, what, ep)
+
+
+class _AmoRequest(Request):
+    """A Request whose refusal by the target reads as such."""
+
+    __slots__ = ("_emulate", "_cancelable")
+
+    def __init__(self, emulate: bool, *args):
+        self._emulate = emulate
+        # UCX cannot cancel its own atomics (it aborts the process when asked
+        # to); gpucx's emulated ones cancel like any request.
+        self._cancelable = emulate
+        super().__init__(*args)
+
+    def _complete(self) -> None:
+        st = self._slot.status
+        super()._complete()
+        if self._state == 2 and self._emulate and st in _REFUSED:
+            try:
+                _fail(st, self._what, self._ep, True)
+            except UCXError as exc:
+                self._value = exc
+
+
 def _run(
     ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
 ):
@@ -82,23 +164,32 @@ def _run(
     if stream is not None:
         # Host operands: nothing is made current, prepare() only waits.
         _cuda.prepare(w, 0, _HOST, stream, what)
+    emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic_wait(
-        w._h, h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo, SPIN_NS
+        w._state,
+        h,
+        emulate,
+        op,
+        fetch,
+        operand,
+        other,
+        nbytes,
+        raddr,
+        rkey._h,
+        rkey._base,
+        rkey._size,
+        amo,
+        w._spin_ns,
     )
     if st:
         if st == INPROGRESS:
-            # UCX cannot cancel an atomic: a timeout parks it, uncanceled.
-            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), None, False)
-        if st == lib.UCS_ERR_CANCELED:
-            raise UnsupportedError(
-                f"{what}: UCX found no atomic protocol to this peer (UCX "
-                ">= 1.19 offers none on endpoints with peer error handling: "
-                "connect with error_handling=False)",
-                st,
-            )
+            # UCX cannot cancel its own atomics (it aborts the process when
+            # asked to): a timeout parks them, uncanceled.  gpucx's emulated
+            # ones are canceled like any request.
+            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep, emulate)
         if st:
-            raise_status(st, what, ep)
+            _fail(st, what, ep, emulate)
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
 
 
@@ -106,10 +197,28 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
+    w = ep._w
     if stream is not None:
-        _cuda.prepare(ep._w, 0, _HOST, stream, what)
+        _cuda.prepare(w, 0, _HOST, stream, what)
+    emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
-    lib.gpucx_atomic(h, op, fetch, operand, other, nbytes, raddr, rkey._h, amo)
+    st = lib.gpucx_atomic(
+        w._state,
+        h,
+        emulate,
+        op,
+        fetch,
+        operand,
+        other,
+        nbytes,
+        raddr,
+        rkey._h,
+        rkey._base,
+        rkey._size,
+        amo,
+    )
+    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not w._amo_ok:
+        _fail(st, what, ep, True)  # nothing was posted
     if fetch:
 
         def finish(req, amo=amo, nbytes=nbytes):
@@ -117,17 +226,9 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
 
     else:
         finish = None
-    return _AtomicRequest(
-        ep._w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep
+    return _AmoRequest(
+        emulate, w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep
     )
-
-
-class _AtomicRequest(Request):
-    """An atomic's request: UCX cannot cancel it, so neither ``cancel()`` nor
-    a ``wait`` timeout asks it to (a timeout leaves it running)."""
-
-    __slots__ = ()
-    _cancelable = False
 
 
 _STREAM = """
@@ -153,10 +254,15 @@ _RAISES = """
             If ``rkey`` is not a RemoteKey or a value is not an int, or for
             a bad ``stream``.
         gpucx.UnsupportedError
-            (blocking form) UCX has no atomic protocol to this peer, e.g.
-            on an endpoint with peer error handling (the ``_nb`` form
-            fails with ``CanceledError``); or a ``stream`` without a CUDA
-            driver.
+            An endpoint with peer error handling (gpucx emulates the atomic)
+            on a context without the ``"am"`` feature, a target without the
+            ``"amo"`` feature or a device-memory region; or a ``stream``
+            without a CUDA driver.
+        gpucx.UCXError
+            The target refused an emulated atomic (region not exported,
+            read-only or closed, out of bounds, misaligned).
+        gpucx.CanceledError
+            The endpoint was closed while the atomic waited.
         gpucx.PeerError
             If the peer died or is unreachable.
         gpucx.ClosedError
@@ -230,8 +336,13 @@ def compare_swap(
         If ``rkey`` is not a RemoteKey or a value is not an int, or for a
         bad ``stream``.
     gpucx.UnsupportedError
-        UCX has no atomic protocol to this peer, e.g. on an endpoint with
-        peer error handling; or a ``stream`` without a CUDA driver.
+        As for :func:`fetch_add`: no ``"am"`` feature for an emulated
+        atomic, a target without ``"amo"``; or a ``stream`` without a CUDA
+        driver.
+    gpucx.UCXError
+        The target refused an emulated atomic.
+    gpucx.CanceledError
+        The endpoint was closed while the atomic waited.
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError

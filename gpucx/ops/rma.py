@@ -30,7 +30,6 @@ from ..mem.buffer import acquire
 from ..mem.memtype import CUDA_TYPES
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
-    SPIN_NS,
     Request,
     _new_settled,
     _Settled,
@@ -208,7 +207,7 @@ def put(
     )
     w = ep._w
     slot = _sync_slot(w)
-    st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if cu:
         _cuda.leave(cu)
     if st:
@@ -282,7 +281,7 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     )
     w = ep._w
     slot = _sync_slot(w)
-    st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, SPIN_NS)
+    st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if cu:
         _cuda.leave(cu)
     if st:
@@ -586,7 +585,7 @@ class Transfer:
         gpucx.ClosedError, ValueError, gpucx.UnsupportedError
             As for :meth:`run_nb`, before anything is posted.
         """
-        st, op, note = self._post(notify, stream, SPIN_NS)
+        st, op, note = self._post(notify, stream, self.endpoint._w._spin_ns)
         if st:
             finish(
                 self.endpoint._w,
@@ -628,7 +627,11 @@ def _notify_bytes(notify, w) -> bytes:
 
 def worker_init(worker) -> None:
     """Install the C handler for notifications on a new worker."""
+    from .._bounds import caps
+
     q = ffi.new("gpucx_notify_q_t *")
+    count, nbytes = caps(worker._context, "notify")
+    lib.gpucx_notify_setup(q, count, nbytes, ffi.addressof(worker._amq, "drops"))
     worker._notify_q = q
     if "am" in worker._context.features:
         st = lib.gpucx_notify_init(worker._h, q)
@@ -681,9 +684,9 @@ def notifications(worker, timeout: float | None = None) -> list:
     q = worker._notify_q
     if timeout is None or timeout <= 0:
         lib.ucp_worker_progress(h)
-    elif not lib.gpucx_notify_wait(h, q, SPIN_NS):
+    elif not lib.gpucx_notify_wait(h, q, worker._spin_ns):
         deadline = time.monotonic() + timeout
-        while q.count == 0:
+        while q.stat.count == 0:
             worker._poll_events()
             left = deadline - time.monotonic()
             if left <= 0:

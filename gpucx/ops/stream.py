@@ -14,7 +14,6 @@ from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..request import (
     INPROGRESS,
-    SPIN_NS,
     Request,
     block,
     finish,
@@ -77,7 +76,7 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
         w, ptr, mt, stream, _SEND
     )
     slot = _sync_slot(w)
-    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     if cu:
         _cuda.leave(cu)
     if st:
@@ -157,7 +156,7 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
     )
     slot = _sync_slot(w)
     if timeout is None:
-        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, SPIN_NS)
+        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     else:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     if st == INPROGRESS:

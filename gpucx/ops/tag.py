@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
+from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
 from ..mem.memtype import MemoryType
 from ..request import (
     INPROGRESS,
-    SPIN_NS,
     RecvInfo,
     Request,
     block,
@@ -127,7 +127,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     )
     slot = new_slot() if w._multi else w._sslot
     try:
-        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, SPIN_NS)
+        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
     except (OverflowError, TypeError):
         raise _bad_tag(tag) from None
     finally:
@@ -246,7 +246,9 @@ def recv(
     slot = new_slot() if worker._multi else worker._sslot
     try:
         if timeout is None:
-            st = lib.gpucx_tag_recv_wait(h, ptr, n, tag, tag_mask, mt, slot, SPIN_NS)
+            st = lib.gpucx_tag_recv_wait(
+                h, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+            )
         else:
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError):
@@ -347,7 +349,7 @@ class ProbedMessage:
 
         Raises
         ------
-        RuntimeError
+        gpucx.AlreadyReceivedError
             If the message was already received.
         BufferError
             If ``buf`` is read-only or not contiguous.
@@ -364,7 +366,7 @@ class ProbedMessage:
         if w._h is None:
             raise_closed(w)
         if self._taken:
-            raise RuntimeError("this probed message was already received")
+            raise AlreadyReceivedError("this probed message was already received")
         if not self.removed:
             req = recv_nb(w, buf, self.tag, TAG_MASK_FULL, stream=stream)
             self._taken = True

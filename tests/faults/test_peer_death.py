@@ -186,8 +186,9 @@ def case_put_transfer(w, ep, remote, proc, msgs, chan):
 
 
 def case_atomic(w, ep, remote, proc, msgs, chan):
-    # UCX offers atomics only on endpoints without peer error handling, so
-    # only gpucx's own liveness check can notice the death (see the guide).
+    # UCX's own atomics, on an endpoint without peer error handling: only
+    # gpucx's liveness check can notice the death (see the guide).  gpucx's
+    # emulated atomics on default endpoints: tests/test_atomic_emulated.py.
     rmem = ep.unpack(remote)
     req = ep.fetch_add_nb(rmem, 1)
     kill(proc)

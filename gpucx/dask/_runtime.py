@@ -1,0 +1,315 @@
+"""Per-process context, per-event-loop worker, and configuration.
+
+One :class:`gpucx.Context` per process (made on the first connect or
+listen, remade in a forked child) with the ``tag`` and ``am`` features
+only: a Dask peer gets no remote memory access.  One :mod:`gpucx.aio`
+worker per running event loop, driven by the loop itself (no thread),
+counted by the comms and listeners that use it and closed with the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import struct
+import weakref
+from typing import Any, NamedTuple
+
+import dask.config
+from dask.utils import parse_bytes, parse_timedelta
+
+import gpucx
+import gpucx.aio
+
+from ._framing import Limits
+
+#: The active-message id a client's HELLO travels on (the only AM the comm
+#: uses; the listener side learns the client's endpoint from it).
+HELLO_AM_ID = 0xFE5D
+#: Top byte of every tag the comm uses (the rest is random per connection).
+TAG_PREFIX = 0xD5 << 56
+#: Low byte of a tag: the channel.
+CH_DATA = 0
+CH_SENTINEL = 1
+#: Early HELLOs kept for endpoints whose handshake task has not asked yet.
+_EARLY_MAX = 1024
+
+#: HELLO (client -> listener, AM): magic, version, client->server tag,
+#: server->client tag, client identity (pid, start time, boot id, pid ns),
+#: client's control buffer size.
+HELLO = struct.Struct("<4sB3xQQIQ16sQI")
+HELLO_MAGIC = b"GXDH"
+#: A HELLO or WELCOME may end with the sender's gpucx worker address (at
+#: most this many bytes): the peer on the same host then opens a data
+#: endpoint to it (see ``data_endpoint``).
+ADDRESS_MAX = 4096
+#: WELCOME (listener -> client, tag server->client): magic, version,
+#: listener identity, listener's control buffer size.
+WELCOME = struct.Struct("<4sB3xIQ16sQI")
+WELCOME_MAGIC = b"GXDW"
+PROTOCOL_VERSION = 1
+
+
+class Settings(NamedTuple):
+    connect_timeout: float
+    close_timeout: float
+    inline_threshold: int
+    progress: str
+    device_allocator: str
+    limits: Limits
+    ctrl_cap: int
+    data_endpoints: bool
+
+
+def _load_defaults() -> dict[str, Any]:
+    import yaml
+
+    path = os.path.join(os.path.dirname(__file__), "gpucx-dask.yaml")
+    with open(path) as f:
+        defaults = yaml.safe_load(f)
+    dask.config.update_defaults(defaults)
+    return defaults["distributed-gpucx"]
+
+
+DEFAULTS = _load_defaults()
+
+
+def _config() -> dict[str, Any]:
+    """``distributed-gpucx.*`` over the shipped defaults (a test harness may
+    have replaced Dask's whole config)."""
+    return {**DEFAULTS, **(dask.config.get("distributed-gpucx", default=None) or {})}
+
+
+def settings() -> Settings:
+    """The comm settings from Dask's config (``distributed-gpucx.*``).
+
+    Raises
+    ------
+    ValueError
+        For a value of the wrong kind (a negative timeout, an unknown
+        progress mode...).
+    """
+    cfg = _config()
+    ct = parse_timedelta(cfg["connect-timeout"], "s")
+    cl = parse_timedelta(cfg["close-timeout"], "s")
+    inline = parse_bytes(cfg["inline-threshold"])
+    if ct is None or ct <= 0 or cl is None or cl < 0 or inline < 0:
+        raise ValueError(
+            "distributed-gpucx: connect-timeout must be > 0, close-timeout and "
+            "inline-threshold >= 0"
+        )
+    if cfg["progress"] not in ("event", "poll"):
+        raise ValueError(
+            f"distributed-gpucx.progress must be event or poll, not {cfg['progress']!r}"
+        )
+    limits = Limits(
+        int(cfg["max-frames"]),
+        parse_bytes(cfg["max-frame-size"]),
+        parse_bytes(cfg["max-message-size"]),
+    )
+    # The control buffer holds the header, a table of up to 4096 frames and
+    # the inline bytes; longer tables travel as their own message.
+    ctrl_cap = 20 + 4096 * 9 + inline
+    return Settings(
+        ct,
+        cl,
+        inline,
+        cfg["progress"],
+        cfg["device-allocator"],
+        limits,
+        ctrl_cap,
+        bool(cfg["same-host-data-endpoints"]),
+    )
+
+
+def context_config() -> dict[str, Any]:
+    """``gpucx.Context(config=...)`` from ``distributed-gpucx.*``."""
+    cfg = _config()
+    out: dict[str, Any] = {}
+    for key, value in (cfg.get("environment") or {}).items():
+        name = str(key).upper().replace("-", "_")
+        if name.startswith("UCX_"):
+            name = name[4:]
+        out[name] = value
+    if cfg.get("tls") is not None:
+        out["TLS"] = cfg["tls"]
+    for name in list(out):
+        if f"UCX_{name}" in os.environ:
+            del out[name]  # the environment wins (as documented)
+    out["GPUCX_PEER_CHECK_INTERVAL"] = float(cfg["peer-check-interval"])
+    return out
+
+
+_contexts: dict = {}  # (pid, config) -> gpucx.Context
+_workers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def context() -> gpucx.Context:
+    """This process's comm context for the current configuration (made on
+    first use; a forked child makes its own)."""
+    cfg = context_config()
+    key = (os.getpid(), repr(sorted(cfg.items())))
+    ctx = _contexts.get(key)
+    if ctx is None or ctx._h is None:
+        for k in [k for k in _contexts if k[0] != key[0]]:
+            del _contexts[k]  # a parent's, after a fork: not ours to use
+        ctx = _contexts[key] = gpucx.Context(features={"tag", "am"}, config=cfg)
+    return ctx
+
+
+class LoopWorker:
+    """The gpucx worker of one event loop, shared by its comms and listeners."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str):
+        self.loop = loop
+        self.aw = gpucx.aio.Worker(context(), progress=progress)
+        self.w = self.aw.worker
+        self.refs = 0
+        self._early: dict = {}  # Endpoint -> HELLO bytes
+        self._waiting: dict = {}  # Endpoint -> Future
+        self.w.set_am_handler(HELLO_AM_ID, self._on_hello)
+
+    def _on_hello(self, msg) -> None:
+        ep = msg.reply_ep
+        if ep is None or msg.is_rndv:
+            return
+        data = bytes(msg.data)
+        fut = self._waiting.pop(ep, None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(data)
+        elif len(self._early) < _EARLY_MAX:
+            self._early[ep] = data
+
+    async def hello_for(self, ep) -> bytes:
+        """The HELLO the client behind accepted endpoint ``ep`` sends."""
+        data = self._early.pop(ep, None)
+        if data is not None:
+            return data
+        fut = self.loop.create_future()
+        self._waiting[ep] = fut
+        try:
+            return await fut
+        finally:
+            self._waiting.pop(ep, None)
+
+    def forget(self, ep) -> None:
+        self._early.pop(ep, None)
+        fut = self._waiting.pop(ep, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+
+    def close(self) -> None:
+        self._early.clear()
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.cancel()
+        self._waiting.clear()
+        if self.w._h is not None:
+            self.aw.close(timeout=1.0)
+
+
+def acquire(progress: str) -> LoopWorker:
+    """The running loop's worker, with one more user."""
+    loop = asyncio.get_running_loop()
+    lw = _workers.get(loop)
+    if lw is None or lw.w._h is None:
+        lw = LoopWorker(loop, progress)
+        _workers[loop] = lw
+    lw.refs += 1
+    return lw
+
+
+def release(lw: LoopWorker) -> None:
+    """One user fewer; the last closes the worker."""
+    lw.refs -= 1
+    if lw.refs <= 0:
+        if _workers.get(lw.loop) is lw:
+            del _workers[lw.loop]
+        lw.close()
+
+
+def identity() -> tuple[int, int, bytes, int]:
+    from gpucx._address import own_identity
+
+    me = own_identity()
+    return me.pid, me.start_time, me.boot_id, me.pidns
+
+
+def watch_peer(lw: LoopWorker, ep, pid: int, start: int, boot: bytes, ns: int) -> None:
+    """Check the peer process's liveness when it runs on this host."""
+    from gpucx import _liveness
+    from gpucx._address import Identity, is_local
+
+    if pid != os.getpid() and is_local(Identity(pid, start, boot, ns)):
+        _liveness.watch(lw.w, ep.endpoint, pid, start)
+
+
+def new_tag() -> int:
+    """A random connection tag (reserved top byte, channel byte 0)."""
+    return TAG_PREFIX | (int.from_bytes(os.urandom(6), "little") << 8)
+
+
+def device_allocator(name: str):
+    """The callable ``nbytes -> CUDA array`` for ``device-allocator``.
+
+    Raises
+    ------
+    RuntimeError
+        When the named library is not installed.
+    """
+    if name in ("auto", "cupy"):
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is not None:
+            return lambda n: cupy.empty((n,), dtype="u1")
+        if name == "cupy":
+            raise RuntimeError(
+                "the peer sent CUDA frames and device-allocator is cupy, "
+                "but CuPy is not installed"
+            )
+    if name in ("auto", "rmm"):
+        try:
+            import rmm
+        except ImportError:
+            raise RuntimeError(
+                "the peer sent CUDA frames: install cupy or rmm to receive "
+                "them (distributed-gpucx.device-allocator)"
+            ) from None
+        return lambda n: rmm.DeviceBuffer(size=n)
+    mod, _, attr = name.rpartition(".")
+    if not mod:
+        raise RuntimeError(f"distributed-gpucx.device-allocator: unknown {name!r}")
+    return getattr(importlib.import_module(mod), attr)
+
+
+def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
+    """An endpoint for a peer on this host, made from its worker address
+    without peer error handling, so UCX may move large frames with
+    single-copy ``cma`` (error-handling endpoints leave shared memory only
+    its copy-through-FIFO path).  Its failures are caught by gpucx's
+    liveness check of the peer process (the address is framed) and by the
+    connection's sentinel.  None for a peer elsewhere, or when the address
+    is not a gpucx worker address.
+    """
+    from gpucx._address import Identity, is_local
+
+    if not address or not is_local(Identity(pid, start, boot, ns)):
+        return None
+    try:
+        ep = lw.w.connect(bytes(address), error_handling=False)
+    except gpucx.UCXError:
+        return None
+    return gpucx.aio.Endpoint(ep, lw.aw._drv)
+
+
+def close_data_endpoint(dep) -> None:
+    """Close a data endpoint: a short flush close (a force close is not
+    allowed without peer error handling, unless the peer died)."""
+    try:
+        dep.close(timeout=0.05)
+    except Exception:
+        pass

@@ -1,0 +1,741 @@
+"""The ``gpucx://`` comm: Backend, Connector, Listener and Comm for Dask.
+
+Wire format: :mod:`gpucx.dask._framing`; handshake and tags:
+:mod:`gpucx.dask._runtime` and ``docs/dask.md``.
+
+Failure detection: right after the handshake each side posts a
+synchronous, never-matched tag send (the *sentinel*) to its peer.  It stays
+pending while the peer lives and fails with ``PeerError`` as soon as the
+endpoint fails (a TCP reset at once; a peer on this host that dies is
+caught by gpucx's liveness check).  A task awaits it and, on failure,
+cancels the comm's posted receives, so every pending and later ``read``
+raises ``CommClosedError`` (tag receives are worker-wide and would not fail
+by themselves).  A comm that closes receives its peer's sentinel, so none
+is left in UCX's unexpected queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+from distributed.comm.addressing import parse_host_port, unparse_host_port
+from distributed.comm.core import (
+    BaseListener,
+    Comm,
+    CommClosedError,
+    Connector,
+    FatalCommClosedError,
+)
+from distributed.comm.registry import Backend
+from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
+from distributed.utils import ensure_ip, get_ip, get_ipv6
+
+import gpucx
+from gpucx.mem import as_buffer
+from gpucx.mem.memtype import MemoryType
+
+from . import _framing as fr
+from . import _runtime as rt
+
+logger = logging.getLogger("gpucx.dask")
+
+PREFIX = "gpucx://"
+_HOST_TYPES = (bytes, bytearray, memoryview)
+_DEVICE_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
+
+
+def _refuse_encryption(connection_args: dict) -> None:
+    import dask.config
+
+    if (
+        connection_args.get("ssl_context") is not None
+        or connection_args.get("require_encryption")
+        or dask.config.get("distributed.comm.require-encryption", False)
+    ):
+        raise FatalCommClosedError(
+            "gpucx:// does not encrypt: it cannot serve a TLS security "
+            "configuration or distributed.comm.require-encryption; use tls:// "
+            "or turn encryption off"
+        )
+
+
+def _kind(frame) -> tuple[int, int]:
+    """(nbytes, kind) of an outgoing frame."""
+    if type(frame) in _HOST_TYPES:
+        return (frame.nbytes if type(frame) is memoryview else len(frame)), fr.HOST
+    buf = as_buffer(frame)
+    kind = fr.CUDA if buf.memory_type in _DEVICE_TYPES else fr.HOST
+    return buf.nbytes, kind
+
+
+def _sync_device(frame) -> None:
+    """Wait for the allocation of a device receive buffer (stream-ordered
+    allocators) before UCX writes into it."""
+    try:
+        import cupy
+    except ImportError:
+        return
+    if isinstance(frame, cupy.ndarray):
+        cupy.cuda.get_current_stream().synchronize()
+
+
+class GpucxComm(Comm):
+    """One Dask connection over a gpucx endpoint."""
+
+    def __init__(
+        self,
+        lw: rt.LoopWorker,
+        ep,
+        rtag: int,
+        stag: int,
+        peer_cap: int,
+        sentinel,
+        local_addr: str,
+        peer_addr: str,
+        settings: rt.Settings,
+        deserialize: bool = True,
+        data_ep=None,
+    ):
+        super().__init__(deserialize=deserialize)
+        self._lw = lw
+        self._ep = ep
+        # Messages go over the data endpoint of a peer on this host, else
+        # over the connection's own endpoint (which also carries the sentinel).
+        self._dep = data_ep if data_ep is not None else ep
+        self._w = lw.w
+        self._rtag = rtag
+        self._stag = stag
+        self._peer_cap = peer_cap
+        self._settings = settings
+        self._local_addr = local_addr
+        self._peer_addr = peer_addr
+        self._ctrl = np.empty(settings.ctrl_cap, "u1")
+        self._closed = False
+        self._broken: str | None = None
+        self._recvs: set = set()
+        self._sentinel = sentinel
+        self._released = False
+        self._consumed = False
+        self._failed = asyncio.get_running_loop().create_future()
+        self._close_sent = False
+        self._peer_closed = False
+        self._watch = asyncio.ensure_future(self._watch_peer())
+
+    # -- failure detection ----------------------------------------------------
+
+    async def _watch_peer(self) -> None:
+        try:
+            await self._sentinel
+        except asyncio.CancelledError:
+            return
+        except Exception as exc:
+            self._peer_failed(f"peer failed: {exc}")
+
+    def _peer_failed(self, reason: str) -> None:
+        if self._closed or self._broken is not None:
+            return
+        self._broken = reason
+        if not self._failed.done():
+            self._failed.set_result(reason)
+        for req in list(self._recvs):
+            req.cancel()
+        dep = self._dep
+        if dep is not None and dep is not self._ep and dep.endpoint._h is not None:
+            # No peer error handling there: fail its operations now (UCX
+            # would not), as gpucx's liveness check would a moment later.
+            from gpucx import _liveness
+
+            _liveness.peer_died(self._w, dep.endpoint, reason)
+        self._lw.aw._drv.kick()
+
+    async def _await_frame(self, req) -> None:
+        """Await a frame receive, racing the peer's failure: a receive that
+        already matched a dead peer's message over the data endpoint (no
+        peer error handling) cannot be canceled in UCX and would not end."""
+        if self._dep is self._ep or req.done():
+            await req
+            return
+        task = asyncio.ensure_future(_await(req))
+        done, _ = await asyncio.wait(
+            {task, self._failed}, return_when=asyncio.FIRST_COMPLETED
+        )
+        if task not in done:
+            task.cancel()
+            raise CommClosedError(f"{self}: {self._broken}")
+        task.result()
+
+    async def _recv(self, buf):
+        req = self._w.recv_nb(buf, self._rtag)
+        # After a peer failure, what arrived before it is still delivered.
+        if self._broken is not None and not req.done():
+            req.cancel()
+            raise CommClosedError(f"{self}: {self._broken}")
+        self._recvs.add(req)
+        try:
+            return await req
+        finally:
+            self._recvs.discard(req)
+
+    # -- Comm API ---------------------------------------------------------------
+
+    async def read(self, deserializers=None):
+        if self._closed:
+            raise CommClosedError(f"{self} is closed")
+        s = self._settings
+        try:
+            info = await self._recv(self._ctrl)
+            ctl = fr.parse(self._ctrl, info.nbytes, s.limits)
+            if ctl.flags & fr.F_CLOSE:
+                self._peer_closed = True
+                self.abort()
+                raise CommClosedError(f"{self}: connection closed by the peer")
+            sizes, kinds = ctl.sizes, ctl.kinds
+            if ctl.flags & fr.F_TABLE:
+                table = np.empty(fr.table_bytes(ctl.nframes), "u1")
+                got = await self._recv(table)
+                if got.nbytes != table.nbytes:
+                    raise fr.FramingError("frame table of the wrong size")
+                sizes, kinds = fr.parse_table(
+                    table, 0, ctl.nframes, ctl.total, s.limits, False
+                )
+            frames: list = []
+            reqs = []
+            off = ctl.inline_at
+            ctrl = self._ctrl
+            alloc = None
+            w = self._w
+            for size, kind in zip(sizes, kinds, strict=True):
+                if kind == fr.CUDA:
+                    if alloc is None:
+                        alloc = rt.device_allocator(s.device_allocator)
+                    buf = alloc(size)
+                    if size:
+                        _sync_device(buf)
+                else:
+                    buf = np.empty(size, "u1")
+                    if kind == fr.INLINE:
+                        buf[:] = ctrl[off : off + size]
+                        off += size
+                    buf = buf.data
+                if size and kind != fr.INLINE:
+                    reqs.append(w.recv_nb(buf, self._rtag))
+                frames.append(buf)
+            if reqs:
+                self._recvs.update(reqs)
+                if self._broken is not None:
+                    for r in reqs:
+                        r.cancel()
+                try:
+                    for r in reqs:
+                        await self._await_frame(r)
+                finally:
+                    self._recvs.difference_update(reqs)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, (asyncio.CancelledError, CommClosedError)):
+                raise
+            raise CommClosedError(f"{self}: read failed: {exc!r}") from exc
+        try:
+            return await from_frames(
+                frames,
+                deserialize=self.deserialize,
+                deserializers=deserializers,
+                allow_offload=self.allow_offload,
+            )
+        except EOFError:
+            self.abort()
+            raise CommClosedError(f"{self}: aborted stream on truncated data")
+
+    async def write(self, msg, serializers=None, on_error="message") -> int:
+        if self._closed or self._broken is not None:
+            raise CommClosedError(f"{self} is closed: {self._broken or 'locally'}")
+        frames = await to_frames(
+            msg,
+            allow_offload=self.allow_offload,
+            serializers=serializers,
+            on_error=on_error,
+            context={
+                "sender": self.local_info,
+                "recipient": self.remote_info,
+                **self.handshake_options,
+            },
+        )
+        try:
+            return await self._send_frames(frames)
+        except BaseException as exc:
+            self.abort()
+            if isinstance(exc, (asyncio.CancelledError, CommClosedError)):
+                raise
+            raise CommClosedError(f"{self}: write failed: {exc!r}") from exc
+
+    async def _send_frames(self, frames) -> int:
+        if self._closed or self._broken is not None:
+            raise CommClosedError(f"{self} is closed: {self._broken or 'locally'}")
+        s = self._settings
+        n = len(frames)
+        sizes = []
+        kinds = []
+        for f in frames:
+            size, kind = _kind(f)
+            sizes.append(size)
+            kinds.append(kind)
+        total = sum(sizes)
+        table_len = fr.HEADER.size + fr.ENTRY.size * n
+        separate_table = table_len > self._peer_cap
+        inline = []
+        if not separate_table:
+            room = min(s.inline_threshold, self._peer_cap - table_len)
+            for i in range(n):
+                size = sizes[i]
+                if kinds[i] == fr.HOST and 0 < size <= room:
+                    kinds[i] = fr.INLINE
+                    inline.append(frames[i])
+                    room -= size
+        ep = self._dep
+        tag = self._stag
+        reqs = []
+        if separate_table:
+            reqs.append(ep.send_nb(fr.pack_header(fr.F_TABLE, n, total), tag))
+            reqs.append(ep.send_nb(fr.pack_table(sizes, kinds), tag))
+        else:
+            ctrl = fr.pack_header(0, n, total) + fr.pack_table(sizes, kinds)
+            if inline:
+                # One contiguous message: a copy of a few KiB costs less than
+                # UCX's IOV path.
+                ctrl = b"".join([ctrl, *inline])
+            reqs.append(ep.send_nb(ctrl, tag))
+        for f, size, kind in zip(frames, sizes, kinds, strict=True):
+            if size and kind != fr.INLINE:
+                reqs.append(ep.send_nb(f, tag))
+        for r in reqs:
+            await r
+        return total
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self._recvs):  # a read in flight ends closed
+            req.cancel()
+        try:
+            if self._drain():
+                self._peer_closed = True  # nothing to tell the peer
+            elif self._broken is None and self._ep.endpoint._h is not None:
+                req = self._dep.send_nb(fr.close_message(), self._stag)
+                await asyncio.wait_for(self._dep.aflush(), self._settings.close_timeout)
+                await req
+                self._close_sent = True
+        except (Exception, asyncio.TimeoutError):
+            pass
+        finally:
+            self._teardown()
+
+    def _drain(self) -> bool:
+        """Take what waits on our tag in UCX's unexpected queue (nobody will
+        read it); True when the peer's CLOSE was among it."""
+        saw_close = False
+        for _ in range(64):
+            try:
+                req = self._w.recv_nb(self._ctrl, self._rtag)
+            except Exception:  # the worker is gone already
+                return saw_close
+            if not req.done():
+                req.cancel()
+                break
+            if req.exception() is None:
+                nbytes = req.result().nbytes
+                if nbytes == fr.HEADER.size and bytes(self._ctrl[:nbytes]) == (
+                    fr.close_message()
+                ):
+                    saw_close = True
+        return saw_close
+
+    def _send_close(self) -> None:
+        """Post a CLOSE control message (abort), unless the peer is gone or
+        closed, or one went out already."""
+        if self._broken is not None or self._peer_closed or self._close_sent:
+            return
+        try:
+            req = self._dep.send_nb(fr.close_message(), self._stag)
+            if req.done() and req.exception() is None:
+                self._close_sent = True
+        except Exception:
+            pass
+
+    def _consume_sentinel(self) -> None:
+        """Take the peer's sentinel out of UCX's unexpected queue (its watch
+        then ends quietly); give up at once if it is not there.  Only once
+        the peer knows of the close (our CLOSE went out, it closed, or it
+        failed): the peer must not take a quiet end for a close."""
+        if self._consumed or not (
+            self._close_sent or self._peer_closed or self._broken is not None
+        ):
+            return
+        self._consumed = True
+        try:
+            req = self._w.recv_nb(bytearray(1), self._rtag | rt.CH_SENTINEL)
+            if not req.done():
+                req.cancel()
+        except Exception:  # the worker is gone already
+            pass
+
+    def abort(self) -> None:
+        self._closed = True
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._closed = True
+        if not self._watch.done():
+            self._watch.cancel()
+        for req in list(self._recvs):
+            req.cancel()
+        ep = self._ep
+        if ep is not None:
+            if self._drain():
+                self._peer_closed = True
+            self._send_close()
+            self._consume_sentinel()
+            self._ep = None
+            dep, self._dep = self._dep, None
+            if dep is not ep:
+                rt.close_data_endpoint(dep)
+            try:
+                ep.close(force=True)
+            except Exception:  # already gone with its worker
+                pass
+            self._lw.forget(ep.endpoint)
+        if not self._released:
+            self._released = True
+            try:
+                self._lw.aw._drv.kick()
+            except Exception:
+                pass
+            rt.release(self._lw)
+
+    def closed(self) -> bool:
+        return self._closed or self._broken is not None
+
+    @property
+    def local_address(self) -> str:
+        return self._local_addr
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_addr
+
+    @property
+    def same_host(self) -> bool:
+        return super().same_host
+
+    @property
+    def extra_info(self) -> dict:
+        return {}
+
+
+def _addr(pair) -> str:
+    if pair is None:
+        return ""
+    return PREFIX + unparse_host_port(*pair)
+
+
+async def _first(task: asyncio.Future, sentinel, timeout: float, what: str):
+    """Await ``task``, failing early when ``sentinel`` (a pending sync send to
+    the peer) fails: the peer went away mid-handshake."""
+    watch = asyncio.ensure_future(_await(sentinel))
+    try:
+        done, _ = await asyncio.wait(
+            {task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        if not watch.done():
+            watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    if watch in done and watch.exception() is not None:
+        raise CommClosedError(f"{what}: peer went away ({watch.exception()})")
+    raise CommClosedError(f"{what}: no answer within {timeout} s")
+
+
+async def _await(req):
+    return await req
+
+
+class GpucxConnector(Connector):
+    async def connect(self, address: str, deserialize: bool = True, **connection_args):
+        _refuse_encryption(connection_args)
+        s = rt.settings()
+        host, port = parse_host_port(address)
+        ip = ensure_ip(host)
+        lw = rt.acquire(s.progress)
+        ep = None
+        ok = False
+        try:
+            try:
+                ep = await asyncio.wait_for(
+                    lw.aw.aconnect((ip, port)), s.connect_timeout
+                )
+            except asyncio.TimeoutError:
+                raise CommClosedError(
+                    f"gpucx connect to {address} timed out after {s.connect_timeout} s"
+                ) from None
+            rtag, stag = rt.new_tag(), rt.new_tag()
+            pid, start, boot, ns = rt.identity()
+            hello = rt.HELLO.pack(
+                rt.HELLO_MAGIC,
+                rt.PROTOCOL_VERSION,
+                stag,
+                rtag,
+                pid,
+                start,
+                boot,
+                ns,
+                s.ctrl_cap,
+            ) + (lw.w.address if s.data_endpoints else b"")
+            await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
+            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
+            welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
+            task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag))
+            try:
+                info = await _first(
+                    task, sentinel, s.connect_timeout, f"gpucx handshake with {address}"
+                )
+            except BaseException:
+                sentinel.cancel()
+                raise
+            magic, version, ppid, pstart, pboot, pns, peer_cap = rt.WELCOME.unpack_from(
+                welcome
+            )
+            if (
+                info.nbytes < rt.WELCOME.size
+                or magic != rt.WELCOME_MAGIC
+                or version != rt.PROTOCOL_VERSION
+            ):
+                raise FatalCommClosedError(
+                    f"{address} did not answer the gpucx:// handshake (version "
+                    f"{version}; this gpucx speaks {rt.PROTOCOL_VERSION})"
+                )
+            rt.watch_peer(lw, ep, ppid, pstart, pboot, pns)
+            peer_address = bytes(welcome[rt.WELCOME.size : info.nbytes])
+            dep = rt.data_endpoint(lw, peer_address, ppid, pstart, pboot, pns)
+            local = _addr(ep.local_sockaddr)
+            comm = GpucxComm(
+                lw,
+                ep,
+                rtag,
+                stag,
+                peer_cap,
+                sentinel,
+                local,
+                PREFIX + address,
+                s,
+                deserialize,
+                dep,
+            )
+            ok = True
+            return comm
+        except gpucx.UCXError as exc:
+            raise CommClosedError(f"gpucx connect to {address}: {exc}") from exc
+        finally:
+            if not ok:
+                if ep is not None:
+                    ep.close(force=True)
+                rt.release(lw)
+
+
+class GpucxListener(BaseListener):
+    prefix = PREFIX
+    comm_class = GpucxComm
+    encrypted = False
+
+    def __init__(
+        self,
+        address: str,
+        comm_handler,
+        deserialize: bool = True,
+        allow_offload: bool = True,
+        default_host: str | None = None,
+        **connection_args,
+    ):
+        super().__init__()
+        _refuse_encryption(connection_args)
+        self.ip, self.port = parse_host_port(address, default_port=0)
+        self.comm_handler = comm_handler
+        self.deserialize = deserialize
+        self.allow_offload = allow_offload
+        self.default_host = default_host
+        self._lw: rt.LoopWorker | None = None
+        self._lst = None
+        self._accept_task: asyncio.Task | None = None
+        self._handshakes: set[asyncio.Task] = set()
+        self._stopped = False
+
+    async def start(self) -> None:
+        s = rt.settings()
+        self._settings = s
+        lw = rt.acquire(s.progress)
+        try:
+            self._lst = lw.aw.listen(self.port, self.ip or "0.0.0.0")
+        except BaseException:
+            rt.release(lw)
+            raise
+        self._lw = lw
+        self._accept_task = asyncio.ensure_future(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        lw = self._lw
+        while lw is not None and not self._stopped:
+            try:
+                ep = await lw.aw.aaccept(self._lst)
+            except asyncio.CancelledError:
+                return
+            except Exception as exc:
+                if not self._stopped:
+                    logger.debug("gpucx accept failed: %r", exc)
+                return
+            task = asyncio.ensure_future(self._serve(ep))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _serve(self, ep) -> None:
+        lw = self._lw
+        if lw is None:  # stopped meanwhile
+            ep.close(force=True)
+            return
+        s = self._settings
+        lw.refs += 1
+        comm = None
+        sentinel = None
+        dep = None
+        try:
+            hello = await asyncio.wait_for(lw.hello_for(ep.endpoint), s.connect_timeout)
+            n = rt.HELLO.size
+            ok_len = n <= len(hello) <= n + rt.ADDRESS_MAX
+            magic, version, rtag, stag, pid, start, boot, ns, peer_cap = (
+                rt.HELLO.unpack_from(hello) if ok_len else (b"",) * 9
+            )
+            if (
+                magic != rt.HELLO_MAGIC
+                or version != rt.PROTOCOL_VERSION
+                or rtag & ~((1 << 56) - 1 - 0xFF) != rt.TAG_PREFIX
+                or stag & ~((1 << 56) - 1 - 0xFF) != rt.TAG_PREFIX
+                or peer_cap < fr.HEADER.size + fr.ENTRY.size
+            ):
+                raise fr.FramingError("malformed gpucx:// HELLO")
+            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
+            me = rt.identity()
+            dep = None
+            if s.data_endpoints:
+                dep = rt.data_endpoint(lw, hello[n:], pid, start, boot, ns)
+            welcome = rt.WELCOME.pack(
+                rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
+            ) + (lw.w.address if dep is not None else b"")
+            await ep.asend(welcome, stag)
+            rt.watch_peer(lw, ep, pid, start, boot, ns)
+            comm = GpucxComm(
+                lw,
+                ep,
+                rtag,
+                stag,
+                peer_cap,
+                sentinel,
+                _addr(ep.local_sockaddr),
+                _addr(ep.remote_sockaddr),
+                s,
+                self.deserialize,
+                dep,
+            )
+            lw.refs += 1  # the comm's own reference
+        except BaseException as exc:
+            if sentinel is not None:
+                sentinel.cancel()
+            if dep is not None:
+                rt.close_data_endpoint(dep)
+            lw.forget(ep.endpoint)
+            try:
+                ep.close(force=True)
+            except Exception:
+                pass
+            if not isinstance(exc, asyncio.CancelledError):
+                logger.debug("gpucx handshake failed: %r", exc)
+            return
+        finally:
+            rt.release(lw)
+        comm.allow_offload = self.allow_offload
+        try:
+            if self._stopped:
+                raise CommClosedError("listener stopped")
+            await self.on_connection(comm)
+        except CommClosedError:
+            logger.debug("connection closed during the Dask handshake")
+            comm.abort()
+            return
+        except asyncio.CancelledError:
+            comm.abort()
+            return
+        if self._stopped:
+            comm.abort()
+            return
+        await self.comm_handler(comm)
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._accept_task is not None and not self._accept_task.done():
+            self._accept_task.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        self.abort_handshaking_comms()
+        lst, self._lst = self._lst, None
+        if lst is not None:
+            lst.close()
+        lw, self._lw = self._lw, None
+        if lw is not None:
+            rt.release(lw)
+
+    def get_host_port(self):
+        if self._lst is None and self._stopped:
+            raise ValueError("listener is stopped")
+        return self.ip, self._port
+
+    @property
+    def _port(self):
+        return self._lst.port if self._lst is not None else self.port
+
+    @property
+    def listen_address(self) -> str:
+        return self.prefix + unparse_host_port(self.ip, self._port)
+
+    @property
+    def contact_address(self) -> str:
+        host = ensure_concrete_host(self.ip, default_host=self.default_host)
+        return self.prefix + unparse_host_port(host, self._port)
+
+
+class GpucxBackend(Backend):
+    """The ``gpucx`` scheme (entry point ``distributed.comm.backends``)."""
+
+    def get_connector(self):
+        return GpucxConnector()
+
+    def get_listener(self, loc, handle_comm, deserialize, **connection_args):
+        return GpucxListener(loc, handle_comm, deserialize, **connection_args)
+
+    def get_address_host(self, loc):
+        return parse_host_port(loc)[0]
+
+    def get_address_host_port(self, loc):
+        return parse_host_port(loc)
+
+    def resolve_address(self, loc):
+        host, port = parse_host_port(loc)
+        return unparse_host_port(ensure_ip(host), port)
+
+    def get_local_address_for(self, loc):
+        host, port = parse_host_port(loc)
+        host = ensure_ip(host)
+        local = get_ipv6(host) if ":" in host else get_ip(host)
+        return unparse_host_port(local, None)

@@ -1,0 +1,57 @@
+"""Peer programs for the gpucx:// Dask comm tests (spawned processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+def comm_server(tls, ch, mode):
+    """Listen on gpucx://; tell the port; then, per ``mode``:
+
+    - ``"silent"``: accept one comm and never answer (the test kills us);
+    - ``"stream"``: start writing 64 MiB messages forever (killed mid-way).
+    """
+    import dask.config
+    import numpy as np
+    from distributed.comm import listen
+    from distributed.protocol import to_serialize
+
+    async def main():
+        accepted = asyncio.Event()
+
+        async def handle(comm):
+            accepted.set()
+            if mode == "stream":
+                big = np.ones(64 << 20, "u1")
+                while True:
+                    await comm.write({"x": to_serialize(big)})
+            await asyncio.sleep(3600)
+
+        async with listen("gpucx://127.0.0.1:0", handle) as lst:
+            ch.put(("address", lst.contact_address))
+            await accepted.wait()
+            ch.put(("accepted", None))
+            await asyncio.sleep(3600)
+
+    with dask.config.set({"distributed-gpucx.tls": tls}):
+        asyncio.run(main())
+
+
+def sleeper():
+    time.sleep(3600)
+
+
+#: Sizes the fake device allocator was asked for (test double for CuPy/RMM).
+FAKE_DEVICE_CALLS: list = []
+
+
+def fake_device_buffer(nbytes):
+    """A device-allocator stand-in for a missing GPU: host memory posing as
+    CUDA memory through ``__cuda_array_interface__`` (tests/fakegpu.py)."""
+    import numpy as np
+
+    from fakegpu import FakeCudaArrayV3
+
+    FAKE_DEVICE_CALLS.append(nbytes)
+    return FakeCudaArrayV3(np.empty(nbytes, "u1"))
