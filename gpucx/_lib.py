@@ -12,7 +12,10 @@ import os
 
 from ._version import __version__
 
-MIN_UCX = (1, 15)
+# The oldest UCX the supported range (pyproject, README "UCX versions")
+# starts at; older releases differ in behaviour gpucx relies on (1.18 still
+# offers atomics on peer-error-handling endpoints) and are not tested.
+MIN_UCX = (1, 19)
 
 _prefix = os.environ.get("GPUCX_UCX_PREFIX", "").strip()
 

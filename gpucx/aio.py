@@ -395,7 +395,7 @@ class Worker:
 
     # -- connections ----------------------------------------------------------
 
-    def listen(self, port: int = 0, host: str = "0.0.0.0") -> Listener:
+    def listen(self, port: int = 0, host: str = "0.0.0.0"):
         """Start listening; :meth:`aaccept` (or the listener's ``accept``
         and ``aaccept``) returns the peers as :class:`Endpoint` objects."""
         lst = self._worker.listen(port, host)
