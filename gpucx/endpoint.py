@@ -8,7 +8,13 @@ import time
 from . import _address, _liveness
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
-from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
+from .errors import (
+    InvalidAddressError,
+    UCXError,
+    check,
+    ep_create_error,
+    peer_error_for,
+)
 from .ops import am as _am
 from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
@@ -79,21 +85,9 @@ class Endpoint(Handle):
                 "address must be a peer's worker address (bytes) or a "
                 f"(host, port) tuple, not {type(address).__name__}"
             )
-        if not isinstance(address, tuple) and st in (
-            lib.UCS_ERR_INVALID_ADDR,
-            lib.UCS_ERR_INVALID_PARAM,
-            lib.UCS_ERR_UNREACHABLE,
-        ):
-            # Nothing is sent yet: the blob itself is malformed, or names no
-            # transport this worker can use (e.g. a TLS mismatch).
-            raise InvalidAddressError(
-                f"ucp_ep_create: unusable worker address ({status_name(st)}): "
-                "malformed, or no transport in it is reachable from here",
-                st,
-            )
-        if st == lib.UCS_ERR_INVALID_ADDR:
-            raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
-        check(st, f"ucp_ep_create({peer})")
+        exc = ep_create_error(st, peer, by_address=not isinstance(address, tuple))
+        if exc is not None:
+            raise exc
         ep = cls(worker, state, peer)
         ep._peer_mode = error_handling
         ep._sockaddr = isinstance(address, tuple)

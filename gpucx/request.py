@@ -22,11 +22,11 @@ from ._lib import ffi, lib
 from .errors import (
     CanceledError,
     MessageTruncatedError,
-    PeerError,
     TimeoutError,
     UCXError,
     error_for,
     peer_error_for,
+    peer_gone,
 )
 
 __all__ = ["Request", "RecvInfo", "block", "INPROGRESS", "posted"]
@@ -197,7 +197,7 @@ def _raise_if_peer_died(req) -> None:
     peer's endpoint (see gpucx._liveness.peer_died)."""
     found = req._worker._suspects.pop(req, None)
     if found is not None and time.monotonic() < found[1]:
-        raise PeerError(f"{req._what}: {found[0]}", lib.UCS_ERR_CONNECTION_RESET)
+        raise peer_gone(req._what, found[0])
 
 
 class Request:

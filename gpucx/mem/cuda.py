@@ -34,7 +34,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UnsupportedError
-from .memtype import CUDA_TYPES, MemoryType
+from .memtype import CUDA_INTS as _CUDA_INTS
+from .memtype import HOST_INT as _HOST
+from .memtype import MemoryType
 
 __all__ = [
     "Driver",
@@ -70,9 +72,6 @@ _ATTR_DEVICE_ORDINAL = 9
 _CU_MEMORYTYPE_DEVICE = 2
 _CU_MEMORYTYPE_UNIFIED = 4
 _EVENT_DISABLE_TIMING = 0x2
-
-_HOST = int(MemoryType.HOST)
-_CUDA_INTS = frozenset(int(m) for m in CUDA_TYPES)
 
 
 class DriverError(RuntimeError):

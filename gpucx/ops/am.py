@@ -50,6 +50,8 @@ from ..errors import (
 )
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import Request, block, finish, new_slot, posted, raise_status
 
 __all__ = [
@@ -78,10 +80,6 @@ _REPLY = lib.GPUCX_AM_SEND_REPLY
 _RNDV = lib.GPUCX_AM_FLAG_RNDV
 _SEND = "am send"
 _RECV = "am receive"
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
-_CUDA_TYPES = frozenset(
-    {int(lib.UCS_MEMORY_TYPE_CUDA), int(lib.UCS_MEMORY_TYPE_CUDA_MANAGED)}
-)
 
 
 # -- worker integration (called by Worker) -----------------------------------

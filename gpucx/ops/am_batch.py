@@ -18,6 +18,7 @@ from .._lib import ffi, lib
 from ..errors import ClosedError, UCXError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import SPIN_NS, Request, _new_settled, _Settled, finish
 from . import am as _am
 
@@ -25,7 +26,6 @@ __all__ = ["prepare_am", "AmBatch"]
 
 _ITEMS = ffi.typeof("gpucx_am_item_t[]")
 _OP = ffi.typeof("gpucx_notify_op_t *")
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 _WHAT = "am batch"
 
 

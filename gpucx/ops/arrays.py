@@ -34,6 +34,8 @@ from .._lib import ffi, lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import as_buffer
+from ..mem.memtype import CUDA_INTS as _CUDA_INTS
+from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
 from ..request import slice_ms
 from . import am as _am
@@ -45,7 +47,6 @@ FORMAT_VERSION = 1
 _MAGIC = b"GXAR"
 _FIXED = struct.Struct("<4sBBBBB")
 _MAX_NDIM = 64
-_HOST = int(MemoryType.HOST)
 
 
 def _describe(arr):
@@ -303,7 +304,7 @@ def _default_allocator(nbytes: int, memory_type: int, device: int | None = None)
         import numpy as np
 
         return np.empty(nbytes, np.uint8)
-    if memory_type in (int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)):
+    if memory_type in _CUDA_INTS:
         try:
             import cupy
         except ImportError:
@@ -351,7 +352,6 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
     return allocator(nbytes, memory_type)
 
 
-_CUDA_INTS = frozenset({int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)})
 #: Memory types a header may name: host and CUDA (anything else is refused
 #: and dropped, never left queued).
 _RECEIVABLE = _CUDA_INTS | {_HOST}

@@ -24,6 +24,7 @@ from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
+from ..mem.memtype import HOST_INT as _HOST  # atomics' local operands are host words
 from ..mem.remote import RemoteKey
 from ..request import INPROGRESS, Request, block, raise_status
 
@@ -46,7 +47,6 @@ _OR = lib.GPUCX_AMO_OR
 _XOR = lib.GPUCX_AMO_XOR
 _SWAP = lib.GPUCX_AMO_SWAP
 _CSWAP = lib.GPUCX_AMO_CSWAP
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)  # atomics' local operands are host words
 
 
 def _word(value, nbytes: int, what: str, name: str) -> int:

@@ -28,6 +28,7 @@ from ..errors import ClosedError, UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import CUDA_TYPES
+from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     Request,
@@ -38,8 +39,6 @@ from ..request import (
     posted,
     raise_status,
 )
-
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = [
     "unpack",

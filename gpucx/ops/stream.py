@@ -12,6 +12,7 @@ from .._lib import lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
     INPROGRESS,
     Request,
@@ -21,8 +22,6 @@ from ..request import (
     posted,
     raise_status,
 )
-
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
 

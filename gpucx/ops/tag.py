@@ -17,7 +17,7 @@ from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
-from ..mem.memtype import MemoryType
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
     INPROGRESS,
     RecvInfo,
@@ -73,7 +73,6 @@ def _iov(bufs, writable: bool, stream=None):
 _tuple_new = tuple.__new__
 _from_buffer = ffi.from_buffer
 _CHAR_ARRAY = ffi.typeof("char[]")
-_HOST = int(MemoryType.HOST)
 
 
 def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
