@@ -369,9 +369,27 @@ class Request:
         return self.cancelled()
 
     def __await__(self):
-        from . import aio
+        # The event-loop side lives in gpucx.aio, which registers itself
+        # (set_awaiter): this layer knows no event loop.
+        return _awaiter(self).__await__()
 
-        return aio.wait_request(self).__await__()
+
+def _no_awaiter(req: Request):
+    raise TypeError("gpucx: no awaiter registered (import gpucx.aio)")
+
+
+#: ``await req`` returns ``_awaiter(req).__await__()``; see set_awaiter.
+_awaiter: Any = _no_awaiter
+
+
+def set_awaiter(fn) -> None:
+    """Make ``fn(req)`` (a coroutine) what ``await req`` waits on.
+
+    ``gpucx`` registers a loader that imports :mod:`gpucx.aio` on the first
+    ``await``; ``gpucx.aio`` then registers its ``wait_request``.
+    """
+    global _awaiter
+    _awaiter = fn
 
 
 class _Settled(Request):

@@ -13,6 +13,7 @@ from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
+from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
@@ -78,6 +79,7 @@ class Worker(Handle):
         self._on_close: list = []  # callables run first when closing
         self._reply_eps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
+        _arrays.attach(self)  # the internal array AM id, on top of AM
         context._adopt(self)
         _rma.worker_init(self)
         _atomic.worker_init(self)

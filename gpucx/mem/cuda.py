@@ -19,8 +19,9 @@ What it provides to the rest of gpucx:
   event on the user's stream and progress the worker until the event has
   completed, so that other operations keep moving while gpucx waits.
 * :func:`sync_stream` -- the stream-sync hook :func:`gpucx.mem.as_buffer`
-  runs for a CAI v3 ``stream`` or a DLPack consumer stream; installed by
-  :func:`install` when a driver is present.
+  runs for a CAI v3 ``stream`` or a DLPack consumer stream: the default hook
+  of :mod:`gpucx.mem.buffer` calls it when a driver is present (``buffer``
+  builds on this module, never the reverse).
 
 The driver object is replaceable (:func:`set_driver`) so that the logic can
 be tested on machines without a GPU; tests do that with a named double.
@@ -52,7 +53,6 @@ __all__ = [
     "on_device",
     "enter",
     "check",
-    "install",
     "LEGACY_STREAM",
     "PER_THREAD_STREAM",
 ]
@@ -738,17 +738,3 @@ def leave(pushed: bool) -> None:
     """Undo what :func:`prepare` made current (when it pushed a context)."""
     if pushed:
         driver().pop()
-
-
-def install() -> bool:
-    """Install :func:`sync_stream` as the stream-sync hook if a driver loads.
-
-    Returns whether it was installed (without a driver the default hook
-    stays: it raises :class:`~gpucx.UnsupportedError` for device memory).
-    """
-    from .buffer import set_stream_sync_hook
-
-    if driver() is None:
-        return False
-    set_stream_sync_hook(sync_stream)
-    return True

@@ -143,7 +143,8 @@ _new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
 def attach(worker) -> None:
-    """Give ``worker`` its AM queue and register the internal array id.
+    """Give ``worker`` its AM queue (:func:`gpucx.ops.arrays.attach` then
+    registers the internal array id on it).
 
     A context without the ``"am"`` feature cannot register handlers; the
     queue then just stays empty.
@@ -151,10 +152,6 @@ def attach(worker) -> None:
     am = _AmWorker(worker)
     worker._am = am
     worker._amq = am.state
-    from .arrays import _on_array
-
-    if am.enabled and _register(am, ARRAY_AM_ID) == lib.UCS_OK:
-        am.handlers[ARRAY_AM_ID] = _on_array
 
 
 def detach(worker) -> None:

@@ -249,6 +249,14 @@ def _charge(msg) -> int:
     return len(msg.header) + (0 if msg.is_rndv else msg.nbytes)
 
 
+def attach(worker) -> None:
+    """Register the internal array AM id on ``worker`` (after
+    :func:`gpucx.ops.am.attach` gave it its AM queue)."""
+    am = worker._am
+    if am.enabled and _am._register(am, _am.ARRAY_AM_ID) == lib.UCS_OK:
+        am.handlers[_am.ARRAY_AM_ID] = _on_array
+
+
 def _on_array(msg) -> None:
     """Internal AM handler: queue the message by its sender's endpoint,
     within the caps of all array queues together
