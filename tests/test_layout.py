@@ -50,9 +50,7 @@ def _graph() -> dict[str, set[str]]:
                     sub = f"{base}.{a.name}"
                     deps.add(sub if sub in mods else base)
         graph[name] = {
-            d
-            for d in deps
-            if d in mods and d != name and mods[d].name != "__init__.py"
+            d for d in deps if d in mods and d != name and mods[d].name != "__init__.py"
         }
     return graph
 
