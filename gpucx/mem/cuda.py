@@ -47,6 +47,8 @@ __all__ = [
     "as_stream",
     "prepare",
     "leave",
+    "door",
+    "ready",
     "sync_stream",
     "device_of",
     "current_device",
@@ -738,3 +740,38 @@ def leave(pushed: bool) -> None:
     """Undo what :func:`prepare` made current (when it pushed a context)."""
     if pushed:
         driver().pop()
+
+
+class door:
+    """The one door for posting an operation on CUDA memory, or one given a
+    ``stream``: ``with door(worker, ptr, memory_type, stream, what):`` runs
+    :func:`prepare` on entry and :func:`leave` on exit, whatever happens in
+    between, so that a failure can never leave a device context pushed.
+
+    Operations test ``mt != HOST or stream is not None`` first and post host
+    memory without it: the host fast path pays for no context manager.
+    """
+
+    __slots__ = ("_args", "_pushed")
+
+    def __init__(
+        self, worker: Any, ptr: Any, memory_type: int, stream: Any, what: str
+    ) -> None:
+        self._args = (worker, ptr, memory_type, stream, what)
+        self._pushed = False
+
+    def __enter__(self) -> None:
+        self._pushed = prepare(*self._args)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            self._pushed = False
+            driver().pop()
+
+
+def ready(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> None:
+    """Pass the :class:`door` without posting through it: check that the
+    context can move ``ptr``'s memory and wait for ``stream``, leaving no
+    context pushed (for operations that post later, or not to UCX)."""
+    with door(worker, ptr, memory_type, stream, what):
+        pass

@@ -403,23 +403,23 @@ class AmMessage:
             exc.message_size = nbytes
             raise exc
         if self.is_rndv:
-            cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-                w, ptr, mt, stream, _RECV
-            )
-            self._taken = True
-            rec, slot = self._pair
             # The descriptor moves to the receive; the request holds this
             # message so that its record (and slot) is not reused meanwhile.
-            lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
-            if cu:
-                _cuda.leave(cu)
+            rec, slot = self._pair
+            if mt == _HOST and stream is None:
+                self._taken = True
+                lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+            else:
+                with _cuda.door(w, ptr, mt, stream, _RECV):
+                    self._taken = True
+                    lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
             return Request(w, slot, (keep, self), _RECV, _nbytes, self._reply_ep, n)
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
             if stream is not None:
-                _cuda.prepare(w, ptr, mt, stream, _RECV)
+                _cuda.ready(w, ptr, mt, stream, _RECV)
             ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
@@ -636,15 +636,17 @@ def am_send(
     hdr, hn = _header(ep, header)
     ptr, n, mt, keep = acquire(buf, False, stream)
     w = ep._w
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        w, ptr, mt, stream, _SEND
-    )
-    slot = new_slot() if w._multi else w._sslot
-    st = lib.gpucx_am_send_wait(
-        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
-    )
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = new_slot() if w._multi else w._sslot
+        st = lib.gpucx_am_send_wait(
+            w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+        )
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = new_slot() if w._multi else w._sslot
+            st = lib.gpucx_am_send_wait(
+                w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+            )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
 
@@ -681,14 +683,14 @@ def am_send_nb(
 def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
     hdr, hn = _header(ep, header)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _SEND
-    )
     w = ep._w
-    slot = new_slot() if w._multi else w._sslot
-    st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = new_slot() if w._multi else w._sslot
+        st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = new_slot() if w._multi else w._sslot
+            st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     return posted(w, slot, st, keep, _SEND, ep)
 
 
@@ -725,7 +727,7 @@ def _posted_target(worker, am_id, buf, stream, what: str):
             "with a handler and AmMessage.receive_into"
         )
     if stream is not None:
-        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+        _cuda.ready(worker, ptr, mt, stream, _RECV)
     return _recv_reg(am, am_id), ptr, n, keep
 
 
@@ -888,7 +890,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         lens[i] = nbytes
         keeps.append(keep)
     if stream is not None:
-        _cuda.prepare(worker, ffi.NULL, _HOST, stream, _RECV)
+        _cuda.ready(worker, ffi.NULL, _HOST, stream, _RECV)
     reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)

@@ -163,7 +163,7 @@ def _run(
     w = ep._w
     if stream is not None:
         # Host operands: nothing is made current, prepare() only waits.
-        _cuda.prepare(w, 0, _HOST, stream, what)
+        _cuda.ready(w, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic_wait(
@@ -199,7 +199,7 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
     w = ep._w
     if stream is not None:
-        _cuda.prepare(w, 0, _HOST, stream, what)
+        _cuda.ready(w, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic(

@@ -201,14 +201,16 @@ def put(
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _PUT
-    )
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _PUT):
+            slot = _sync_slot(w)
+            st = lib.gpucx_put_wait(
+                w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns
+            )
     if st:
         finish(w, slot, st, timeout, _PUT, ep, (keep, rkey))
 
@@ -235,19 +237,23 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     w = ep._w
     if notify is not None:
         note = _notify_bytes(notify, w)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(w, ptr, mt, stream, _PUT)
     if notify is None:
-        slot = _sync_slot(w)
-        st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        req = posted(w, slot, st, (keep, rkey), _PUT, ep)
-    else:
-        op = ffi.new("gpucx_notify_op_t *")
+        if mt == _HOST and stream is None:
+            slot = _sync_slot(w)
+            st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
+        else:
+            with _cuda.door(w, ptr, mt, stream, _PUT):
+                slot = _sync_slot(w)
+                st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
+        return posted(w, slot, st, (keep, rkey), _PUT, ep)
+    op = ffi.new("gpucx_notify_op_t *")
+    if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
-        slot = ffi.addressof(op, "slot")
-        req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
-    if cu:
-        _cuda.leave(cu)
-    return req
+    else:
+        with _cuda.door(w, ptr, mt, stream, _PUT):
+            lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
+    slot = ffi.addressof(op, "slot")
+    return Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
 
 
 def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
@@ -275,14 +281,16 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _GET
-    )
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _GET):
+            slot = _sync_slot(w)
+            st = lib.gpucx_get_wait(
+                w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns
+            )
     if st:
         finish(w, slot, st, timeout, _GET, ep, (keep, rkey))
 
@@ -305,14 +313,14 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _GET
-    )
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _GET):
+            slot = _sync_slot(w)
+            st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
     return posted(w, slot, st, (keep, rkey), _GET, ep)
 
 
@@ -510,9 +518,12 @@ class Transfer:
                 raise_closed(key)
         w = ep._w
         note = ffi.NULL if notify is None else _notify_bytes(notify, w)
-        cu = (self._cuda_ptr is not None or stream is not None) and _cuda.prepare(
-            w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind
-        )
+        if self._cuda_ptr is None and stream is None:
+            return self._run(w, h, notify, note, spin_ns)
+        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind):
+            return self._run(w, h, notify, note, spin_ns)
+
+    def _run(self, w, h, notify, note, spin_ns: int):
         op = ffi.new(_OP)
         st = lib.gpucx_xfer_run(
             w._h,
@@ -526,8 +537,6 @@ class Transfer:
             op,
             spin_ns,
         )
-        if cu:
-            _cuda.leave(cu)
         return st, op, note
 
     def run_nb(self, *, notify=None, stream=None) -> Request:
@@ -606,7 +615,7 @@ def _entry(ep, w, what: str, is_get: bool, entry):
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     if mt != _HOST:
         # Checks that this context can move it (UnsupportedError).
-        _cuda.leave(_cuda.prepare(w, ptr, mt, None, what))
+        _cuda.ready(w, ptr, mt, None, what)
     return ptr, n, mt, keep, rkey, raddr
 
 
