@@ -122,6 +122,20 @@ def block(
         raise
 
 
+def settle(worker_h, reqs, end: float) -> bool:
+    """Progress a worker (its UCX handle ``worker_h``) until none of
+    ``reqs`` is pending or ``time.monotonic()`` passes ``end``.
+
+    The bounded wait of the close paths (worker, endpoint, remote key):
+    progress only, no sleep.  True when none is pending any more.
+    """
+    pending = [r for r in reqs if r._slot.status == INPROGRESS]
+    while pending and time.monotonic() < end:
+        lib.ucp_worker_progress(worker_h)
+        pending = [r for r in pending if r._slot.status == INPROGRESS]
+    return not pending
+
+
 def abandon(worker, slot, keep: Any = None, cancel: bool = True) -> None:
     """Cancel a pending operation and wait (bounded) until UCX lets go of it.
 

@@ -17,7 +17,7 @@ from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot
+from .request import INPROGRESS, finish, new_slot, settle
 
 __all__ = ["Worker"]
 
@@ -339,11 +339,11 @@ class Worker(Handle):
         for req in list(self._pending):
             if req._slot.status == INPROGRESS and req._cancelable:
                 lib.gpucx_slot_cancel(h, req._slot)
-        end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
-        while time.monotonic() < end and any(
-            r._slot.status == INPROGRESS for r in self._pending
-        ):
-            lib.ucp_worker_progress(h)
+        settle(
+            h,
+            self._pending,
+            time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S),
+        )
         for req in list(self._pending):
             if req._slot.status != INPROGRESS:
                 req._complete()

@@ -99,3 +99,12 @@ def test_graph_sees_lazy_imports() -> None:
     }
     assert "cuda" not in top
     assert "gpucx.mem.cuda" in _graph()["gpucx.mem.buffer"]
+
+
+def test_info_lives_beside_the_cli() -> None:
+    # ``gpucx info`` is gpucx.info; the old home stays an alias of it.
+    import gpucx.bench.info
+    import gpucx.info
+
+    assert gpucx.bench.info is gpucx.info
+    assert not (ROOT / "bench" / "info.py").read_text().count("def ")
