@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import test_gpu_layer as _layer
 from test_gpu_layer import CUDA, PostSpy, _Posted, _setup_fake
 
 from gpucx.mem import cuda as gcuda
@@ -21,21 +22,16 @@ from gpucx.ops import rma as _rma
 from gpucx.ops import stream as _stream
 from gpucx.ops import tag as _tag
 
-from fakegpu import FakeCudaArrayV2, FakeDriver
+from fakegpu import FakeCudaArrayV2
+
+#: The fixture that installs a FakeDriver (test double), shared with
+#: test_gpu_layer.
+fake_driver = _layer.fake_driver
 
 pytestmark = pytest.mark.timeout(60)
 
 OTHER_CTX = 0xC0  # device 0's context, current in this thread
 OWNER_CTX = 0xC1  # device 1 owns the fake device memory: pushed for the post
-
-
-@pytest.fixture
-def fake_driver():
-    """Install a :class:`FakeDriver` (test double); restore afterwards."""
-    drv = FakeDriver()
-    previous = gcuda.set_driver(drv)
-    yield drv
-    gcuda.restore_driver(previous)
 
 
 def _exported(pair, nbytes):
