@@ -201,18 +201,8 @@ def put(
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    w = ep._w
-    if mt == _HOST and stream is None:
-        slot = _sync_slot(w)
-        st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    else:
-        with _cuda.door(w, ptr, mt, stream, _PUT):
-            slot = _sync_slot(w)
-            st = lib.gpucx_put_wait(
-                w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns
-            )
-    if st:
-        finish(w, slot, st, timeout, _PUT, ep, (keep, rkey))
+    post = lib.gpucx_put_wait
+    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _PUT)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -238,14 +228,9 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     if notify is not None:
         note = _notify_bytes(notify, w)
     if notify is None:
-        if mt == _HOST and stream is None:
-            slot = _sync_slot(w)
-            st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        else:
-            with _cuda.door(w, ptr, mt, stream, _PUT):
-                slot = _sync_slot(w)
-                st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        return posted(w, slot, st, (keep, rkey), _PUT, ep)
+        return _post_nb(
+            ep, h, lib.gpucx_put, ptr, n, raddr, rkey, mt, stream, keep, _PUT
+        )
     op = ffi.new("gpucx_notify_op_t *")
     if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
@@ -281,18 +266,23 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    post = lib.gpucx_get_wait
+    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _GET)
+
+
+def _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, what):
+    """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
+    ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
-        st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+        st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     else:
-        with _cuda.door(w, ptr, mt, stream, _GET):
+        with _cuda.door(w, ptr, mt, stream, what):
             slot = _sync_slot(w)
-            st = lib.gpucx_get_wait(
-                w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns
-            )
+            st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if st:
-        finish(w, slot, st, timeout, _GET, ep, (keep, rkey))
+        finish(w, slot, st, timeout, what, ep, (keep, rkey))
 
 
 def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
@@ -313,15 +303,21 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
+    return _post_nb(ep, h, lib.gpucx_get, ptr, n, raddr, rkey, mt, stream, keep, _GET)
+
+
+def _post_nb(ep, h, post, ptr, n: int, raddr, rkey, mt: int, stream, keep, what):
+    """Post a put or a get (``post``: ``gpucx_put`` or ``gpucx_get``) and
+    return its request: the shared body of :func:`put_nb` and :func:`get_nb`."""
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
-        st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
+        st = post(h, ptr, n, raddr, rkey._h, mt, slot)
     else:
-        with _cuda.door(w, ptr, mt, stream, _GET):
+        with _cuda.door(w, ptr, mt, stream, what):
             slot = _sync_slot(w)
-            st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
-    return posted(w, slot, st, (keep, rkey), _GET, ep)
+            st = post(h, ptr, n, raddr, rkey._h, mt, slot)
+    return posted(w, slot, st, (keep, rkey), what, ep)
 
 
 # -- prepared transfers --------------------------------------------------------
