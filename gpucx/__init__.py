@@ -32,6 +32,7 @@ from .ops.am import AmMessage
 from .ops.rma import NOTIFY_MAX, Transfer
 from .ops.tag import TAG_MASK_FULL, ProbedMessage
 from .request import RecvInfo, Request
+from .request import set_awaiter as _set_awaiter
 from .worker import Worker
 
 __all__ = [
@@ -65,6 +66,17 @@ __all__ = [
     "QueueStats",
     "DriverError",
 ]
+
+
+def _first_await(req):
+    # The first ``await`` of a request loads gpucx.aio, which registers its
+    # own awaiter for the next ones (the request layer knows no event loop).
+    from . import aio
+
+    return aio.wait_request(req)
+
+
+_set_awaiter(_first_await)
 
 
 def __getattr__(name: str):

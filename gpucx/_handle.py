@@ -21,8 +21,7 @@ import warnings
 import weakref
 from typing import Any
 
-from ._lib import lib
-from .errors import ClosedError, PeerError
+from .errors import ClosedError, peer_gone
 
 _live_roots: weakref.WeakSet[Any] = weakref.WeakSet()
 _alive = True
@@ -171,7 +170,7 @@ def raise_closed(obj: Handle) -> None:
     reason = getattr(obj, "_error_reason", None)
     if reason is not None:  # gpucx found the peer dead and closed the endpoint
         peer = getattr(obj, "peer", "")
-        raise PeerError(f"{name} {peer}: {reason}", lib.UCS_ERR_CONNECTION_RESET)
+        raise peer_gone(f"{name} {peer}", reason)
     if obj._closed_reason == "forked":
         raise ClosedError(
             f"{name} was created in process {obj._pid} and cannot be used in the "

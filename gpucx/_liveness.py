@@ -20,7 +20,7 @@ import time
 
 from ._address import proc_stat
 from ._lib import lib
-from .errors import PeerError
+from .errors import peer_gone
 from .request import INPROGRESS, new_slot
 
 #: How long after a peer's death a canceled request that gpucx could not
@@ -112,7 +112,7 @@ def peer_died(worker, ep, reason: str) -> None:
             req._complete()
         else:
             worker._park(req._slot, req._keep)
-            req._fail(PeerError(f"{req._what}: {reason}", ep._state.error))
+            req._fail(peer_gone(req._what, reason, ep._state.error))
     # The endpoint's children (unpacked remote keys) must go before the UCX
     # endpoint and worker do; a later close() of the endpoint finds no UCX
     # handle and would not reach them.

@@ -34,7 +34,7 @@ from ._handle import raise_closed
 from ._lib import lib
 from .errors import TimeoutError as GpucxTimeoutError
 from .ops.tag import TAG_MASK_FULL
-from .request import INPROGRESS, Request, new_slot
+from .request import INPROGRESS, Request, new_slot, set_awaiter
 
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 
@@ -238,6 +238,10 @@ async def wait_request(req: Request):
     if req._state or req._slot.status != INPROGRESS:
         return req.wait(0)
     return await _driver(req._worker).wait(req)
+
+
+# ``await req`` waits here (gpucx.request knows no event loop).
+set_awaiter(wait_request)
 
 
 async def _flush(driver: _Driver, worker, post, handle, ep=None) -> None:

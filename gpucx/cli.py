@@ -34,7 +34,7 @@ def _info_parser(sub) -> None:
 
 
 def _cmd_info(args) -> int:
-    from .bench.info import collect, format_info
+    from .info import collect, format_info
 
     info = collect()
     if args.json:
@@ -179,7 +179,8 @@ def _bench_parser(sub) -> None:
 
 
 def _bench_options(args):
-    from .bench.memory import BenchSetupError, parse_memory
+    from .bench.errors import BenchSetupError
+    from .bench.memory import parse_memory
     from .bench.runner import BenchOptions
     from .bench.sizes import parse_sizes, parse_sweep
     from .bench.suites import DEFAULT_TESTS
@@ -219,7 +220,7 @@ def _bench_options(args):
 
 def _cmd_bench(args) -> int:
     prog = "gpucx bench"
-    from .bench.memory import BenchSetupError
+    from .bench.errors import BenchSetupError
 
     if args.server:
         if args.client:

@@ -8,7 +8,13 @@ import time
 from . import _address, _liveness
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
-from .errors import InvalidAddressError, UCXError, check, peer_error_for, status_name
+from .errors import (
+    InvalidAddressError,
+    UCXError,
+    check,
+    ep_create_error,
+    peer_error_for,
+)
 from .ops import am as _am
 from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
@@ -16,7 +22,7 @@ from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot
+from .request import INPROGRESS, finish, new_slot, settle
 
 __all__ = ["Endpoint"]
 
@@ -79,21 +85,9 @@ class Endpoint(Handle):
                 "address must be a peer's worker address (bytes) or a "
                 f"(host, port) tuple, not {type(address).__name__}"
             )
-        if not isinstance(address, tuple) and st in (
-            lib.UCS_ERR_INVALID_ADDR,
-            lib.UCS_ERR_INVALID_PARAM,
-            lib.UCS_ERR_UNREACHABLE,
-        ):
-            # Nothing is sent yet: the blob itself is malformed, or names no
-            # transport this worker can use (e.g. a TLS mismatch).
-            raise InvalidAddressError(
-                f"ucp_ep_create: unusable worker address ({status_name(st)}): "
-                "malformed, or no transport in it is reachable from here",
-                st,
-            )
-        if st == lib.UCS_ERR_INVALID_ADDR:
-            raise InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", st)
-        check(st, f"ucp_ep_create({peer})")
+        exc = ep_create_error(st, peer, by_address=not isinstance(address, tuple))
+        if exc is not None:
+            raise exc
         ep = cls(worker, state, peer)
         ep._peer_mode = error_handling
         ep._sockaddr = isinstance(address, tuple)
@@ -364,10 +358,7 @@ class Endpoint(Handle):
                         return self._state.error == lib.UCS_OK
                 if time.monotonic() >= end:
                     return False
-                for other in siblings:
-                    if other._h is not None:
-                        lib.ucp_worker_progress(other._h)
-                lib.gpucx_worker_sleep(w._h, efd, 1)
+                _nap(w, siblings, efd)
         finally:
             if slot.status == INPROGRESS:
                 # The force close that follows completes the flush request.
@@ -385,11 +376,11 @@ def _siblings(worker) -> list:
 
 def _settle(worker, ep, timeout: float) -> None:
     """Progress ``worker`` until no request of ``ep`` is pending (bounded)."""
-    mine = [r for r in worker._pending if r._ep is ep]
-    end = time.monotonic() + timeout
-    while mine and time.monotonic() < end:
-        lib.ucp_worker_progress(worker._h)
-        mine = [r for r in mine if r._slot.status == INPROGRESS]
+    settle(
+        worker._h,
+        [r for r in worker._pending if r._ep is ep],
+        time.monotonic() + timeout,
+    )
 
 
 def _close_wait(worker, slot, timeout: float) -> None:
@@ -404,10 +395,17 @@ def _close_wait(worker, slot, timeout: float) -> None:
     siblings = _siblings(worker)
     efd = -1 if siblings else worker._efd
     while slot.status == INPROGRESS and time.monotonic() < end:
-        for other in siblings:
-            if other._h is not None:
-                lib.ucp_worker_progress(other._h)
-        lib.gpucx_worker_sleep(worker._h, efd, 1)
+        _nap(worker, siblings, efd)
+
+
+def _nap(worker, siblings: list, efd: int) -> None:
+    """One step of a close wait: progress the sibling workers (the peer may
+    be one of them), then sleep up to 1 ms on ``worker`` (``efd``: its
+    event fd, or -1 to sleep without one)."""
+    for other in siblings:
+        if other._h is not None:
+            lib.ucp_worker_progress(other._h)
+    lib.gpucx_worker_sleep(worker._h, efd, 1)
 
 
 def _check_worker_address(blob: bytes, local: bytes) -> None:

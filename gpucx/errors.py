@@ -25,6 +25,9 @@ __all__ = [
     "check",
     "status_name",
     "error_for",
+    "peer_error_for",
+    "peer_gone",
+    "ep_create_error",
 ]
 
 
@@ -150,6 +153,42 @@ def peer_error_for(status: int, what: str) -> UCXError:
     if cls is None or not issubclass(cls, PeerError):
         cls = PeerError
     return cls(f"{what}: {reason}", status)
+
+
+def peer_gone(what: str, reason: str, status: int | None = None) -> PeerError:
+    """Build the :class:`PeerError` for a peer gpucx itself found dead.
+
+    ``reason`` says how it was found (e.g. the peer process exited);
+    ``status`` defaults to ``UCS_ERR_CONNECTION_RESET``.
+    """
+    if status is None:
+        status = lib.UCS_ERR_CONNECTION_RESET
+    return PeerError(f"{what}: {reason}", status)
+
+
+def ep_create_error(status: int, peer: str, by_address: bool) -> UCXError | None:
+    """The exception for a failed ``ucp_ep_create`` (``None`` on ``UCS_OK``).
+
+    ``by_address`` is true when the peer was named by a worker address blob:
+    then an invalid or unreachable address means the blob itself is
+    malformed, or names no transport this worker can use (nothing was sent
+    yet).
+    """
+    if status == 0:
+        return None
+    if by_address and status in (
+        lib.UCS_ERR_INVALID_ADDR,
+        lib.UCS_ERR_INVALID_PARAM,
+        lib.UCS_ERR_UNREACHABLE,
+    ):
+        return InvalidAddressError(
+            f"ucp_ep_create: unusable worker address ({status_name(status)}): "
+            "malformed, or no transport in it is reachable from here",
+            status,
+        )
+    if status == lib.UCS_ERR_INVALID_ADDR:
+        return InvalidAddressError(f"ucp_ep_create: cannot resolve {peer}", status)
+    return error_for(status, f"ucp_ep_create({peer})")
 
 
 def check(status: int, what: str) -> None:

@@ -22,11 +22,11 @@ from ._lib import ffi, lib
 from .errors import (
     CanceledError,
     MessageTruncatedError,
-    PeerError,
     TimeoutError,
     UCXError,
     error_for,
     peer_error_for,
+    peer_gone,
 )
 
 __all__ = ["Request", "RecvInfo", "block", "INPROGRESS", "posted"]
@@ -122,6 +122,20 @@ def block(
         raise
 
 
+def settle(worker_h, reqs, end: float) -> bool:
+    """Progress a worker (its UCX handle ``worker_h``) until none of
+    ``reqs`` is pending or ``time.monotonic()`` passes ``end``.
+
+    The bounded wait of the close paths (worker, endpoint, remote key):
+    progress only, no sleep.  True when none is pending any more.
+    """
+    pending = [r for r in reqs if r._slot.status == INPROGRESS]
+    while pending and time.monotonic() < end:
+        lib.ucp_worker_progress(worker_h)
+        pending = [r for r in pending if r._slot.status == INPROGRESS]
+    return not pending
+
+
 def abandon(worker, slot, keep: Any = None, cancel: bool = True) -> None:
     """Cancel a pending operation and wait (bounded) until UCX lets go of it.
 
@@ -197,7 +211,7 @@ def _raise_if_peer_died(req) -> None:
     peer's endpoint (see gpucx._liveness.peer_died)."""
     found = req._worker._suspects.pop(req, None)
     if found is not None and time.monotonic() < found[1]:
-        raise PeerError(f"{req._what}: {found[0]}", lib.UCS_ERR_CONNECTION_RESET)
+        raise peer_gone(req._what, found[0])
 
 
 class Request:
@@ -369,9 +383,27 @@ class Request:
         return self.cancelled()
 
     def __await__(self):
-        from . import aio
+        # The event-loop side lives in gpucx.aio, which registers itself
+        # (set_awaiter): this layer knows no event loop.
+        return _awaiter(self).__await__()
 
-        return aio.wait_request(self).__await__()
+
+def _no_awaiter(req: Request):
+    raise TypeError("gpucx: no awaiter registered (import gpucx.aio)")
+
+
+#: ``await req`` returns ``_awaiter(req).__await__()``; see set_awaiter.
+_awaiter: Any = _no_awaiter
+
+
+def set_awaiter(fn) -> None:
+    """Make ``fn(req)`` (a coroutine) what ``await req`` waits on.
+
+    ``gpucx`` registers a loader that imports :mod:`gpucx.aio` on the first
+    ``await``; ``gpucx.aio`` then registers its ``wait_request``.
+    """
+    global _awaiter
+    _awaiter = fn
 
 
 class _Settled(Request):

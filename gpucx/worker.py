@@ -13,10 +13,11 @@ from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
 from .ops import am as _am
+from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot
+from .request import INPROGRESS, finish, new_slot, settle
 
 __all__ = ["Worker"]
 
@@ -78,6 +79,7 @@ class Worker(Handle):
         self._on_close: list = []  # callables run first when closing
         self._reply_eps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         _am.attach(self)  # sets self._am and self._amq (the C AM queue)
+        _arrays.attach(self)  # the internal array AM id, on top of AM
         context._adopt(self)
         _rma.worker_init(self)
         _atomic.worker_init(self)
@@ -337,11 +339,11 @@ class Worker(Handle):
         for req in list(self._pending):
             if req._slot.status == INPROGRESS and req._cancelable:
                 lib.gpucx_slot_cancel(h, req._slot)
-        end = time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S)
-        while time.monotonic() < end and any(
-            r._slot.status == INPROGRESS for r in self._pending
-        ):
-            lib.ucp_worker_progress(h)
+        settle(
+            h,
+            self._pending,
+            time.monotonic() + time_left(self._deadline, CLOSE_GRACE_S),
+        )
         for req in list(self._pending):
             if req._slot.status != INPROGRESS:
                 req._complete()

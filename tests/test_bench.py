@@ -16,8 +16,8 @@ import pytest
 from peers_bench import c_loop_peer
 
 import gpucx
+from gpucx import info as _info
 from gpucx._lib import ffi, lib
-from gpucx.bench import info as _info
 from gpucx.bench import perftest as _perftest
 from gpucx.bench.memory import BenchSetupError, alloc, parse_memory
 from gpucx.bench.report import ProgressBar, format_table

@@ -8,7 +8,9 @@
 * :mod:`.perftest` — running and parsing ``ucx_perftest``;
 * :mod:`.report` — table, JSON, plot, progress bar;
 * :mod:`.sizes`, :mod:`.memory` — argument parsing and buffers;
-* :mod:`.info` — ``gpucx info``.
+* :mod:`.errors` — :class:`~.errors.BenchSetupError`.
+
+``gpucx info`` lives in :mod:`gpucx.info` (``gpucx.bench.info`` is an alias).
 
 The timing loops of ``tag_lat``, ``tag_bw``, ``put_bw`` and ``get_bw`` are C
 (``gpucx/_csrc/bench.c``).

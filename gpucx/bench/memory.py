@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy
 
+from .errors import BenchSetupError  # defined there; importable here too
+
 __all__ = ["MEMORY_KINDS", "BenchSetupError", "parse_memory", "cuda_problem", "alloc"]
 
 #: ``host``: NumPy arrays (huge pages from 4 MiB on, where the kernel
@@ -15,13 +17,6 @@ MEMORY_KINDS = ("host", "ucx", "cuda")
 #: Regions behind ``ucx`` buffers: NumPy views do not keep a region alive,
 #: so they are held here (dropped once their context closed).
 _MAPPED: list = []
-
-
-class BenchSetupError(Exception):
-    """The benchmark cannot run as asked (bad arguments, missing API or GPU).
-
-    The CLI prints the message on one line and exits with code 2.
-    """
 
 
 def parse_memory(text: str) -> tuple[str, str]:

@@ -14,7 +14,7 @@ import traceback
 
 import gpucx
 
-from .memory import BenchSetupError
+from .errors import BenchSetupError
 from .session import BadControlMessage, PeerGone, Session, context_config, quote
 from .suites import DEFAULT_TESTS, TESTS, Params, server_features
 

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 
-from .memory import BenchSetupError
+from .errors import BenchSetupError
 
 __all__ = ["perftest_binary", "run_perftest", "PerftestError"]
 

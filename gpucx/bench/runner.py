@@ -8,7 +8,8 @@ import sys
 import gpucx
 
 from . import perftest as _perftest
-from .memory import BenchSetupError, cuda_problem
+from .errors import BenchSetupError
+from .memory import cuda_problem
 from .report import ProgressBar, environment, plot_problem
 from .session import (
     BadControlMessage,

@@ -20,7 +20,7 @@ import time
 import gpucx
 
 from .._lib import lib
-from .memory import BenchSetupError
+from .errors import BenchSetupError
 
 __all__ = [
     "Session",

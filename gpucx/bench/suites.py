@@ -26,7 +26,8 @@ import gpucx
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
 from ..request import INPROGRESS, raise_status
-from .memory import MEMORY_KINDS, BenchSetupError, alloc
+from .errors import BenchSetupError
+from .memory import MEMORY_KINDS, alloc
 from .session import ACK_TAG, DATA_TAG, BadControlMessage, quote, reply_field
 from .sizes import MAX_SIZE
 

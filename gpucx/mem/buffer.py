@@ -32,6 +32,7 @@ from .._lib import ffi
 from ..errors import UnsupportedError
 from . import _bufproto, _cai, _dlpack
 from .memtype import CUDA_TYPES, MemoryType
+from .memtype import HOST_INT as _HOST
 
 __all__ = ["Buffer", "as_buffer", "acquire", "set_stream_sync_hook"]
 
@@ -248,7 +249,6 @@ def as_buffer(obj: Any, writable: bool = False, *, stream: int | None = None) ->
     return buf
 
 
-_HOST = int(MemoryType.HOST)
 _from_buffer = ffi.from_buffer
 _cast = ffi.cast
 _CHAR_ARRAY = ffi.typeof("char[]")

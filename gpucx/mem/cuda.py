@@ -19,8 +19,9 @@ What it provides to the rest of gpucx:
   event on the user's stream and progress the worker until the event has
   completed, so that other operations keep moving while gpucx waits.
 * :func:`sync_stream` -- the stream-sync hook :func:`gpucx.mem.as_buffer`
-  runs for a CAI v3 ``stream`` or a DLPack consumer stream; installed by
-  :func:`install` when a driver is present.
+  runs for a CAI v3 ``stream`` or a DLPack consumer stream: the default hook
+  of :mod:`gpucx.mem.buffer` calls it when a driver is present (``buffer``
+  builds on this module, never the reverse).
 
 The driver object is replaceable (:func:`set_driver`) so that the logic can
 be tested on machines without a GPU; tests do that with a named double.
@@ -34,7 +35,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import UnsupportedError
-from .memtype import CUDA_TYPES, MemoryType
+from .memtype import CUDA_INTS as _CUDA_INTS
+from .memtype import HOST_INT as _HOST
+from .memtype import MemoryType
 
 __all__ = [
     "Driver",
@@ -44,13 +47,14 @@ __all__ = [
     "as_stream",
     "prepare",
     "leave",
+    "door",
+    "ready",
     "sync_stream",
     "device_of",
     "current_device",
     "on_device",
     "enter",
     "check",
-    "install",
     "LEGACY_STREAM",
     "PER_THREAD_STREAM",
 ]
@@ -70,9 +74,6 @@ _ATTR_DEVICE_ORDINAL = 9
 _CU_MEMORYTYPE_DEVICE = 2
 _CU_MEMORYTYPE_UNIFIED = 4
 _EVENT_DISABLE_TIMING = 0x2
-
-_HOST = int(MemoryType.HOST)
-_CUDA_INTS = frozenset(int(m) for m in CUDA_TYPES)
 
 
 class DriverError(RuntimeError):
@@ -741,15 +742,36 @@ def leave(pushed: bool) -> None:
         driver().pop()
 
 
-def install() -> bool:
-    """Install :func:`sync_stream` as the stream-sync hook if a driver loads.
+class door:
+    """The one door for posting an operation on CUDA memory, or one given a
+    ``stream``: ``with door(worker, ptr, memory_type, stream, what):`` runs
+    :func:`prepare` on entry and :func:`leave` on exit, whatever happens in
+    between, so that a failure can never leave a device context pushed.
 
-    Returns whether it was installed (without a driver the default hook
-    stays: it raises :class:`~gpucx.UnsupportedError` for device memory).
+    Operations test ``mt != HOST or stream is not None`` first and post host
+    memory without it: the host fast path pays for no context manager.
     """
-    from .buffer import set_stream_sync_hook
 
-    if driver() is None:
-        return False
-    set_stream_sync_hook(sync_stream)
-    return True
+    __slots__ = ("_args", "_pushed")
+
+    def __init__(
+        self, worker: Any, ptr: Any, memory_type: int, stream: Any, what: str
+    ) -> None:
+        self._args = (worker, ptr, memory_type, stream, what)
+        self._pushed = False
+
+    def __enter__(self) -> None:
+        self._pushed = prepare(*self._args)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pushed:
+            self._pushed = False
+            driver().pop()
+
+
+def ready(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> None:
+    """Pass the :class:`door` without posting through it: check that the
+    context can move ``ptr``'s memory and wait for ``stream``, leaving no
+    context pushed (for operations that post later, or not to UCX)."""
+    with door(worker, ptr, memory_type, stream, what):
+        pass

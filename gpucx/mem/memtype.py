@@ -28,5 +28,11 @@ class MemoryType(enum.IntEnum):
 
 
 CUDA_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
+"""The CUDA memory types (device and managed memory)."""
 
-__all__ = ["MemoryType", "CUDA_TYPES"]
+# Plain-int forms for the hot paths, which compare the ``int`` memory types
+# that the C helpers return: every module imports these, none redefines them.
+HOST_INT: int = int(MemoryType.HOST)
+CUDA_INTS: frozenset[int] = frozenset(int(m) for m in CUDA_TYPES)
+
+__all__ = ["MemoryType", "CUDA_TYPES", "HOST_INT", "CUDA_INTS"]

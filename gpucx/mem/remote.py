@@ -40,7 +40,7 @@ import zlib
 from .._handle import Handle, raise_closed, time_left
 from .._lib import ffi, lib
 from ..errors import check
-from ..request import INPROGRESS
+from ..request import INPROGRESS, settle
 from .memtype import MemoryType
 
 __all__ = ["RemoteMemory", "RemoteKey", "MAGIC", "FORMAT_VERSION"]
@@ -377,12 +377,7 @@ class RemoteKey(Handle):
                 # operations first, then destroys the key.
                 ep._late_rkeys.append(self._h)
                 return
-            end = time.monotonic() + time_left(self._deadline)
-            while time.monotonic() < end and any(
-                r._slot.status == INPROGRESS for r in pending
-            ):
-                lib.ucp_worker_progress(w._h)
-            if any(r._slot.status == INPROGRESS for r in pending):
+            if not settle(w._h, pending, time.monotonic() + time_left(self._deadline)):
                 # UCX may still read the key: never free it under UCX.
                 return
         lib.gpucx_rkey_destroy(self._h)

@@ -50,6 +50,8 @@ from ..errors import (
 )
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import Request, block, finish, new_slot, posted, raise_status
 
 __all__ = [
@@ -78,10 +80,6 @@ _REPLY = lib.GPUCX_AM_SEND_REPLY
 _RNDV = lib.GPUCX_AM_FLAG_RNDV
 _SEND = "am send"
 _RECV = "am receive"
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
-_CUDA_TYPES = frozenset(
-    {int(lib.UCS_MEMORY_TYPE_CUDA), int(lib.UCS_MEMORY_TYPE_CUDA_MANAGED)}
-)
 
 
 # -- worker integration (called by Worker) -----------------------------------
@@ -145,7 +143,8 @@ _new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
 def attach(worker) -> None:
-    """Give ``worker`` its AM queue and register the internal array id.
+    """Give ``worker`` its AM queue (:func:`gpucx.ops.arrays.attach` then
+    registers the internal array id on it).
 
     A context without the ``"am"`` feature cannot register handlers; the
     queue then just stays empty.
@@ -153,10 +152,6 @@ def attach(worker) -> None:
     am = _AmWorker(worker)
     worker._am = am
     worker._amq = am.state
-    from .arrays import _on_array
-
-    if am.enabled and _register(am, ARRAY_AM_ID) == lib.UCS_OK:
-        am.handlers[ARRAY_AM_ID] = _on_array
 
 
 def detach(worker) -> None:
@@ -408,23 +403,23 @@ class AmMessage:
             exc.message_size = nbytes
             raise exc
         if self.is_rndv:
-            cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-                w, ptr, mt, stream, _RECV
-            )
-            self._taken = True
-            rec, slot = self._pair
             # The descriptor moves to the receive; the request holds this
             # message so that its record (and slot) is not reused meanwhile.
-            lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
-            if cu:
-                _cuda.leave(cu)
+            rec, slot = self._pair
+            if mt == _HOST and stream is None:
+                self._taken = True
+                lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+            else:
+                with _cuda.door(w, ptr, mt, stream, _RECV):
+                    self._taken = True
+                    lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
             return Request(w, slot, (keep, self), _RECV, _nbytes, self._reply_ep, n)
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
             if stream is not None:
-                _cuda.prepare(w, ptr, mt, stream, _RECV)
+                _cuda.ready(w, ptr, mt, stream, _RECV)
             ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
@@ -641,15 +636,17 @@ def am_send(
     hdr, hn = _header(ep, header)
     ptr, n, mt, keep = acquire(buf, False, stream)
     w = ep._w
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        w, ptr, mt, stream, _SEND
-    )
-    slot = new_slot() if w._multi else w._sslot
-    st = lib.gpucx_am_send_wait(
-        w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
-    )
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = new_slot() if w._multi else w._sslot
+        st = lib.gpucx_am_send_wait(
+            w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+        )
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = new_slot() if w._multi else w._sslot
+            st = lib.gpucx_am_send_wait(
+                w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+            )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
 
@@ -686,14 +683,14 @@ def am_send_nb(
 def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
     hdr, hn = _header(ep, header)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _SEND
-    )
     w = ep._w
-    slot = new_slot() if w._multi else w._sslot
-    st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = new_slot() if w._multi else w._sslot
+        st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = new_slot() if w._multi else w._sslot
+            st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     return posted(w, slot, st, keep, _SEND, ep)
 
 
@@ -730,7 +727,7 @@ def _posted_target(worker, am_id, buf, stream, what: str):
             "with a handler and AmMessage.receive_into"
         )
     if stream is not None:
-        _cuda.prepare(worker, ptr, mt, stream, _RECV)
+        _cuda.ready(worker, ptr, mt, stream, _RECV)
     return _recv_reg(am, am_id), ptr, n, keep
 
 
@@ -901,7 +898,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     ptrs = ffi.new(_PTRS, plist or 1)
     lens = ffi.new(_SIZES, llist or 1)
     if stream is not None:
-        _cuda.prepare(worker, ffi.NULL, _HOST, stream, _RECV)
+        _cuda.ready(worker, ffi.NULL, _HOST, stream, _RECV)
     reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)

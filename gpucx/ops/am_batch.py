@@ -18,6 +18,7 @@ from .._lib import ffi, lib
 from ..errors import ClosedError, UCXError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import SPIN_NS, Request, _new_settled, _Settled, finish
 from . import am as _am
 
@@ -25,7 +26,6 @@ __all__ = ["prepare_am", "AmBatch"]
 
 _ITEMS = ffi.typeof("gpucx_am_item_t[]")
 _OP = ffi.typeof("gpucx_notify_op_t *")
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 _WHAT = "am batch"
 
 
@@ -149,7 +149,7 @@ class AmBatch:
                     got = acquire(buf, False, None)
                     if got[2] != _HOST:
                         # Checks that this context can move it.
-                        _cuda.leave(_cuda.prepare(w, got[0], got[2], None, _WHAT))
+                        _cuda.ready(w, got[0], got[2], None, _WHAT)
                     seen[id(buf)] = got
                     keep.append((buf, got[3]))
             except (TypeError, ValueError, BufferError, UCXError) as exc:
@@ -206,9 +206,12 @@ class AmBatch:
         if h is None:
             raise_closed(ep)
         w = ep._w
-        cu = (self._cuda_ptr is not None or stream is not None) and _cuda.prepare(
-            w, self._cuda_ptr or 0, self._cuda_mt, stream, _WHAT
-        )
+        if self._cuda_ptr is None and stream is None:
+            return self._run(w, h, spin_ns)
+        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, _WHAT):
+            return self._run(w, h, spin_ns)
+
+    def _run(self, w, h, spin_ns: int):
         op = ffi.new(_OP)
         hdr, hn = self._header
         st = lib.gpucx_am_batch_run(
@@ -223,8 +226,6 @@ class AmBatch:
             op,
             spin_ns,
         )
-        if cu:
-            _cuda.leave(cu)
         return st, op
 
     def run_nb(self, *, stream=None) -> Request:

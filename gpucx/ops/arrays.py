@@ -34,6 +34,8 @@ from .._lib import ffi, lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import as_buffer
+from ..mem.memtype import CUDA_INTS as _CUDA_INTS
+from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
 from ..request import slice_ms
 from . import am as _am
@@ -45,7 +47,6 @@ FORMAT_VERSION = 1
 _MAGIC = b"GXAR"
 _FIXED = struct.Struct("<4sBBBBB")
 _MAX_NDIM = 64
-_HOST = int(MemoryType.HOST)
 
 
 def _describe(arr):
@@ -248,6 +249,14 @@ def _charge(msg) -> int:
     return len(msg.header) + (0 if msg.is_rndv else msg.nbytes)
 
 
+def attach(worker) -> None:
+    """Register the internal array AM id on ``worker`` (after
+    :func:`gpucx.ops.am.attach` gave it its AM queue)."""
+    am = worker._am
+    if am.enabled and _am._register(am, _am.ARRAY_AM_ID) == lib.UCS_OK:
+        am.handlers[_am.ARRAY_AM_ID] = _on_array
+
+
 def _on_array(msg) -> None:
     """Internal AM handler: queue the message by its sender's endpoint,
     within the caps of all array queues together
@@ -303,7 +312,7 @@ def _default_allocator(nbytes: int, memory_type: int, device: int | None = None)
         import numpy as np
 
         return np.empty(nbytes, np.uint8)
-    if memory_type in (int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)):
+    if memory_type in _CUDA_INTS:
         try:
             import cupy
         except ImportError:
@@ -351,7 +360,6 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
     return allocator(nbytes, memory_type)
 
 
-_CUDA_INTS = frozenset({int(MemoryType.CUDA), int(MemoryType.CUDA_MANAGED)})
 #: Memory types a header may name: host and CUDA (anything else is refused
 #: and dropped, never left queued).
 _RECEIVABLE = _CUDA_INTS | {_HOST}

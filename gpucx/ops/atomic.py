@@ -24,6 +24,7 @@ from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
+from ..mem.memtype import HOST_INT as _HOST  # atomics' local operands are host words
 from ..mem.remote import RemoteKey
 from ..request import INPROGRESS, Request, block, raise_status
 
@@ -46,7 +47,6 @@ _OR = lib.GPUCX_AMO_OR
 _XOR = lib.GPUCX_AMO_XOR
 _SWAP = lib.GPUCX_AMO_SWAP
 _CSWAP = lib.GPUCX_AMO_CSWAP
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)  # atomics' local operands are host words
 
 
 def _word(value, nbytes: int, what: str, name: str) -> int:
@@ -163,7 +163,7 @@ def _run(
     w = ep._w
     if stream is not None:
         # Host operands: nothing is made current, prepare() only waits.
-        _cuda.prepare(w, 0, _HOST, stream, what)
+        _cuda.ready(w, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic_wait(
@@ -199,7 +199,7 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
     w = ep._w
     if stream is not None:
-        _cuda.prepare(w, 0, _HOST, stream, what)
+        _cuda.ready(w, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     st = lib.gpucx_atomic(

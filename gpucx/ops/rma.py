@@ -28,6 +28,7 @@ from ..errors import ClosedError, UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import CUDA_TYPES
+from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     Request,
@@ -38,8 +39,6 @@ from ..request import (
     posted,
     raise_status,
 )
-
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = [
     "unpack",
@@ -202,16 +201,8 @@ def put(
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
     raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _PUT
-    )
-    w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_put_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    if cu:
-        _cuda.leave(cu)
-    if st:
-        finish(w, slot, st, timeout, _PUT, ep, (keep, rkey))
+    post = lib.gpucx_put_wait
+    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _PUT)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -236,19 +227,18 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     w = ep._w
     if notify is not None:
         note = _notify_bytes(notify, w)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(w, ptr, mt, stream, _PUT)
     if notify is None:
-        slot = _sync_slot(w)
-        st = lib.gpucx_put(h, ptr, n, raddr, rkey._h, mt, slot)
-        req = posted(w, slot, st, (keep, rkey), _PUT, ep)
-    else:
-        op = ffi.new("gpucx_notify_op_t *")
+        return _post_nb(
+            ep, h, lib.gpucx_put, ptr, n, raddr, rkey, mt, stream, keep, _PUT
+        )
+    op = ffi.new("gpucx_notify_op_t *")
+    if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
-        slot = ffi.addressof(op, "slot")
-        req = Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
-    if cu:
-        _cuda.leave(cu)
-    return req
+    else:
+        with _cuda.door(w, ptr, mt, stream, _PUT):
+            lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
+    slot = ffi.addressof(op, "slot")
+    return Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
 
 
 def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
@@ -276,16 +266,23 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _GET
-    )
+    post = lib.gpucx_get_wait
+    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _GET)
+
+
+def _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, what):
+    """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
+    ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_get_wait(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+    else:
+        with _cuda.door(w, ptr, mt, stream, what):
+            slot = _sync_slot(w)
+            st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if st:
-        finish(w, slot, st, timeout, _GET, ep, (keep, rkey))
+        finish(w, slot, st, timeout, what, ep, (keep, rkey))
 
 
 def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
@@ -306,15 +303,21 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
     raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _GET
-    )
+    return _post_nb(ep, h, lib.gpucx_get, ptr, n, raddr, rkey, mt, stream, keep, _GET)
+
+
+def _post_nb(ep, h, post, ptr, n: int, raddr, rkey, mt: int, stream, keep, what):
+    """Post a put or a get (``post``: ``gpucx_put`` or ``gpucx_get``) and
+    return its request: the shared body of :func:`put_nb` and :func:`get_nb`."""
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_get(h, ptr, n, raddr, rkey._h, mt, slot)
-    if cu:
-        _cuda.leave(cu)
-    return posted(w, slot, st, (keep, rkey), _GET, ep)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = post(h, ptr, n, raddr, rkey._h, mt, slot)
+    else:
+        with _cuda.door(w, ptr, mt, stream, what):
+            slot = _sync_slot(w)
+            st = post(h, ptr, n, raddr, rkey._h, mt, slot)
+    return posted(w, slot, st, (keep, rkey), what, ep)
 
 
 # -- prepared transfers --------------------------------------------------------
@@ -511,9 +514,12 @@ class Transfer:
                 raise_closed(key)
         w = ep._w
         note = ffi.NULL if notify is None else _notify_bytes(notify, w)
-        cu = (self._cuda_ptr is not None or stream is not None) and _cuda.prepare(
-            w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind
-        )
+        if self._cuda_ptr is None and stream is None:
+            return self._run(w, h, notify, note, spin_ns)
+        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind):
+            return self._run(w, h, notify, note, spin_ns)
+
+    def _run(self, w, h, notify, note, spin_ns: int):
         op = ffi.new(_OP)
         st = lib.gpucx_xfer_run(
             w._h,
@@ -527,8 +533,6 @@ class Transfer:
             op,
             spin_ns,
         )
-        if cu:
-            _cuda.leave(cu)
         return st, op, note
 
     def run_nb(self, *, notify=None, stream=None) -> Request:
@@ -607,7 +611,7 @@ def _entry(ep, w, what: str, is_get: bool, entry):
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     if mt != _HOST:
         # Checks that this context can move it (UnsupportedError).
-        _cuda.leave(_cuda.prepare(w, ptr, mt, None, what))
+        _cuda.ready(w, ptr, mt, None, what)
     return ptr, n, mt, keep, rkey, raddr
 
 

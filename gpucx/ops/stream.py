@@ -12,6 +12,7 @@ from .._lib import lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
     INPROGRESS,
     Request,
@@ -21,8 +22,6 @@ from ..request import (
     posted,
     raise_status,
 )
-
-_HOST = int(lib.UCS_MEMORY_TYPE_HOST)
 
 __all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
 
@@ -72,13 +71,13 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
         _no_stream(ep)
     w = ep._w
     ptr, n, mt, keep = acquire(buf, False, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        w, ptr, mt, stream, _SEND
-    )
-    slot = _sync_slot(w)
-    st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = _sync_slot(w)
+            st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
 
@@ -109,14 +108,14 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _SEND
-    )
     w = ep._w
-    slot = _sync_slot(w)
-    st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        slot = _sync_slot(w)
+        st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot = _sync_slot(w)
+            st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
     return posted(w, slot, st, keep, _SEND, ep)
 
 
@@ -151,9 +150,18 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
         _no_stream(ep)
     w = ep._w
     ptr, n, mt, keep = acquire(buf, True, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        w, ptr, mt, stream, _RECV
-    )
+    if mt == _HOST and stream is None:
+        slot, st = _recv(w, h, ptr, n, mt, timeout, keep)
+    else:
+        with _cuda.door(w, ptr, mt, stream, _RECV):
+            slot, st = _recv(w, h, ptr, n, mt, timeout, keep)
+    if st:
+        raise_status(st, _RECV, ep, slot, n)
+    return slot.length
+
+
+def _recv(w, h, ptr, n: int, mt: int, timeout, keep):
+    """Post a stream receive and wait for it: (slot, status)."""
     slot = _sync_slot(w)
     if timeout is None:
         st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
@@ -161,11 +169,7 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     if st == INPROGRESS:
         st = block(w, slot, timeout, keep)
-    if cu:
-        _cuda.leave(cu)
-    if st:
-        raise_status(st, _RECV, ep, slot, n)
-    return slot.length
+    return slot, st
 
 
 def stream_recv_nb(ep, buf, *, stream=None) -> Request:
@@ -194,11 +198,10 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
     if "stream" not in ep._w._context.features:
         _no_stream(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        ep._w, ptr, mt, stream, _RECV
-    )
     slot = new_slot()
-    lib.gpucx_stream_recv(h, ptr, n, mt, slot)
-    if cu:
-        _cuda.leave(cu)
+    if mt == _HOST and stream is None:
+        lib.gpucx_stream_recv(h, ptr, n, mt, slot)
+    else:
+        with _cuda.door(ep._w, ptr, mt, stream, _RECV):
+            lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     return Request(ep._w, slot, keep, _RECV, _length, ep, n)

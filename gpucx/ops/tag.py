@@ -17,7 +17,7 @@ from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
-from ..mem.memtype import MemoryType
+from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
     INPROGRESS,
     RecvInfo,
@@ -73,7 +73,6 @@ def _iov(bufs, writable: bool, stream=None):
 _tuple_new = tuple.__new__
 _from_buffer = ffi.from_buffer
 _CHAR_ARRAY = ffi.typeof("char[]")
-_HOST = int(MemoryType.HOST)
 
 
 def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
@@ -122,19 +121,26 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
         return
     else:
         ptr, n, mt, keep = acquire(buf, False, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        w, ptr, mt, stream, _SEND
-    )
-    slot = new_slot() if w._multi else w._sslot
-    try:
-        st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
-    except (OverflowError, TypeError):
-        raise _bad_tag(tag) from None
-    finally:
-        if cu:
-            _cuda.leave(cu)
+    if mt == _HOST and stream is None:  # inlined: the small-message path
+        slot = new_slot() if w._multi else w._sslot
+        try:
+            st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
+        except (OverflowError, TypeError):
+            raise _bad_tag(tag) from None
+    else:
+        with _cuda.door(w, ptr, mt, stream, _SEND):
+            slot, st = _send(w, h, ptr, n, tag, mt)
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
+
+
+def _send(w, h, ptr, n: int, tag, mt: int):
+    """Post a blocking tag send (the device path of :func:`send`)."""
+    slot = new_slot() if w._multi else w._sslot
+    try:
+        return slot, lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
+    except (OverflowError, TypeError):
+        raise _bad_tag(tag) from None
 
 
 def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Request:
@@ -165,25 +171,29 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
         raise_closed(ep)
     w = ep._w
     slot = new_slot() if w._multi else w._sslot
-    cu = False
     try:
         if type(buf) is list or type(buf) is tuple:
             iov, count, mt, keep, _ = _iov(buf, False, stream)
-            if mt != _HOST or stream is not None:
-                cu = _cuda.prepare(ep._w, iov[0].buffer, mt, stream, _SEND)
-            st = lib.gpucx_tag_send_iov(h, iov, count, tag, mt, 1 if sync else 0, slot)
+            if mt == _HOST and stream is None:
+                st = lib.gpucx_tag_send_iov(
+                    h, iov, count, tag, mt, 1 if sync else 0, slot
+                )
+            else:
+                with _cuda.door(w, iov[0].buffer, mt, stream, _SEND):
+                    st = lib.gpucx_tag_send_iov(
+                        h, iov, count, tag, mt, 1 if sync else 0, slot
+                    )
         else:
             ptr, n, mt, keep = acquire(buf, False, stream)
-            if mt != _HOST or stream is not None:
-                cu = _cuda.prepare(ep._w, ptr, mt, stream, _SEND)
-            st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
+            if mt == _HOST and stream is None:
+                st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
+            else:
+                with _cuda.door(w, ptr, mt, stream, _SEND):
+                    st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
     except (OverflowError, TypeError) as exc:
         if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
             raise exc
         raise _bad_tag(tag) from None
-    finally:
-        if cu:
-            _cuda.leave(cu)
     return posted(w, slot, st, keep, _SEND, ep)
 
 
@@ -240,9 +250,33 @@ def recv(
         return recv_nb(worker, buf, tag, tag_mask, stream=stream).wait(timeout)
     else:
         ptr, n, mt, keep = acquire(buf, True, stream)
-    cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-        worker, ptr, mt, stream, _RECV
-    )
+    if mt == _HOST and stream is None:
+        # Inlined (a call costs a measurable share of a small blocking
+        # receive); the device path shares it through _recv.
+        slot = new_slot() if worker._multi else worker._sslot
+        try:
+            if timeout is None:
+                st = lib.gpucx_tag_recv_wait(
+                    h, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+                )
+            else:
+                st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
+        except (OverflowError, TypeError):
+            raise _bad_tag(tag, tag_mask) from None
+    else:
+        with _cuda.door(worker, ptr, mt, stream, _RECV):
+            slot, st = _recv(worker, h, ptr, n, tag, tag_mask, mt, timeout)
+    if st:
+        if st == INPROGRESS:
+            st = block(worker, slot, timeout, keep)
+        if st:
+            raise_status(st, _RECV, None, slot, n)
+    return _tuple_new(RecvInfo, (slot.tag, slot.length))
+
+
+def _recv(worker, h, ptr, n: int, tag, tag_mask, mt: int, timeout):
+    """Post a tag receive, waiting in C without a timeout: (slot, status)
+    (the device path of :func:`recv`)."""
     slot = new_slot() if worker._multi else worker._sslot
     try:
         if timeout is None:
@@ -253,15 +287,7 @@ def recv(
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError):
         raise _bad_tag(tag, tag_mask) from None
-    finally:
-        if cu:
-            _cuda.leave(cu)
-    if st:
-        if st == INPROGRESS:
-            st = block(worker, slot, timeout, keep)
-        if st:
-            raise_status(st, _RECV, None, slot, n)
-    return _tuple_new(RecvInfo, (slot.tag, slot.length))
+    return slot, st
 
 
 def recv_nb(
@@ -289,25 +315,25 @@ def recv_nb(
     if h is None:
         raise_closed(worker)
     slot = new_slot()
-    cu = False
     try:
         if type(buf) is list or type(buf) is tuple:
             iov, count, mt, keep, n = _iov(buf, True, stream)
-            if mt != _HOST or stream is not None:
-                cu = _cuda.prepare(worker, iov[0].buffer, mt, stream, _RECV)
-            lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
+            if mt == _HOST and stream is None:
+                lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
+            else:
+                with _cuda.door(worker, iov[0].buffer, mt, stream, _RECV):
+                    lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
         else:
             ptr, n, mt, keep = acquire(buf, True, stream)
-            if mt != _HOST or stream is not None:
-                cu = _cuda.prepare(worker, ptr, mt, stream, _RECV)
-            lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
+            if mt == _HOST and stream is None:
+                lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
+            else:
+                with _cuda.door(worker, ptr, mt, stream, _RECV):
+                    lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError) as exc:
         if all(isinstance(v, int) and 0 <= v <= TAG_MASK_FULL for v in (tag, tag_mask)):
             raise exc
         raise _bad_tag(tag, tag_mask) from None
-    finally:
-        if cu:
-            _cuda.leave(cu)
     return Request(worker, slot, keep, _RECV, _recv_info, None, n)
 
 
@@ -372,14 +398,14 @@ class ProbedMessage:
             self._taken = True
             return req
         ptr, n, mt, keep = acquire(buf, True, stream)
-        cu = (mt != _HOST or stream is not None) and _cuda.prepare(
-            w, ptr, mt, stream, _RECV
-        )
         slot = new_slot()
-        self._taken = True
-        lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
-        if cu:
-            _cuda.leave(cu)
+        if mt == _HOST and stream is None:
+            self._taken = True
+            lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
+        else:
+            with _cuda.door(w, ptr, mt, stream, _RECV):
+                self._taken = True
+                lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
         return Request(w, slot, keep, _RECV, _recv_info, None, n)
 
     def recv(self, buf, timeout: float | None = None, *, stream=None) -> RecvInfo:

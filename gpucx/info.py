@@ -1,0 +1,154 @@
+"""``gpucx info``: what UCX gpucx runs on, and what it can move here.
+
+Transports and devices come from the ``ucx_info -d`` of the same UCX (run
+with that UCX's libraries); memory types from a :class:`~gpucx.Context`.
+It sits beside the CLI, not under ``gpucx.bench`` (it measures nothing);
+``gpucx.bench.info`` stays an alias of this module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+
+import gpucx
+
+__all__ = ["collect", "format_info", "parse_ucx_info", "sockaddr_note"]
+
+
+def parse_ucx_info(text: str) -> list[dict]:
+    """Memory domains of ``ucx_info -d`` output: component, memory types and
+    ``(transport, device)`` pairs."""
+    domains: list[dict] = []
+    cur: dict | None = None
+    transport = None
+    for raw in text.splitlines():
+        line = raw.strip().lstrip("#").strip()
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        if key == "Memory domain":
+            cur = {
+                "domain": value,
+                "component": value,
+                "memory_types": [],
+                "transports": [],
+            }
+            domains.append(cur)
+            transport = None
+        elif cur is None:
+            continue
+        elif key == "Component":
+            cur["component"] = value
+        elif key == "memory types":
+            cur["memory_types"] = [
+                m.split("(")[0].strip() for m in value.split("),") if m.strip()
+            ]
+        elif key == "Transport":
+            transport = value
+        elif key == "Device" and transport is not None:
+            cur["transports"].append([transport, value])
+    return domains
+
+
+def sockaddr_note(ucx_version: str) -> str:
+    """What a ``(host, port)`` peer must run: the same UCX minor version."""
+    minor = ".".join(ucx_version.split(".")[:2])
+    return (
+        f"(host, port) connections (worker.listen / connect) need the peer on "
+        f"UCX {minor}.x too: UCX's client/server wireup does not cross UCX "
+        "minor versions"
+    )
+
+
+def _cuda_driver() -> str | None:
+    """The CUDA driver version if libcuda loads and reports one, else None."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    v = ctypes.c_int(0)
+    try:
+        if cuda.cuInit(0) != 0 or cuda.cuDriverGetVersion(ctypes.byref(v)) != 0:
+            return None
+    except AttributeError:
+        return None
+    return f"{v.value // 1000}.{v.value % 1000 // 10}"
+
+
+def collect() -> dict:
+    """Everything ``gpucx info`` prints, as a dict."""
+    from .bench.errors import BenchSetupError
+    from .bench.perftest import ucx_dirs, ucx_tool
+
+    bindir, libdir = ucx_dirs()
+    domains: list[dict] = []
+    error = None
+    try:
+        path, env = ucx_tool("ucx_info")
+        out = subprocess.run(
+            [path, "-d"], env=env, capture_output=True, text=True, timeout=60
+        )
+        domains = parse_ucx_info(out.stdout)
+    except (BenchSetupError, OSError, subprocess.TimeoutExpired) as exc:
+        error = str(exc)
+    with gpucx.Context() as ctx:
+        memory_types = sorted(m.name for m in ctx.memory_types)
+        problem = ctx.cuda_problem
+    transports = sorted({t for d in domains for t, _ in d["transports"]})
+    cuda_tls = [t for t in transports if t.startswith(("cuda", "gdr"))]
+    driver = _cuda_driver()
+    return {
+        "gpucx_version": gpucx.__version__,
+        "ucx_version": ".".join(map(str, gpucx.UCX_VERSION)),
+        "ucx_library_dir": libdir,
+        "ucx_bin_dir": bindir,
+        "memory_types": memory_types,
+        "domains": domains,
+        "transports": transports,
+        "cuda": {
+            "driver": driver,
+            "transports": cuda_tls,
+            "can_move_cuda_memory": bool(
+                driver and cuda_tls and "CUDA" in memory_types and problem is None
+            ),
+            "problem": problem,
+        },
+        "ucx_info_error": error,
+    }
+
+
+def format_info(info: dict) -> str:
+    """The text ``gpucx info`` prints."""
+    lines = [
+        f"gpucx        {info['gpucx_version']}",
+        f"UCX          {info['ucx_version']} ({info['ucx_library_dir']})",
+        f"  note: {sockaddr_note(info['ucx_version'])}",
+        f"memory types {', '.join(info['memory_types']) or '-'}",
+    ]
+    cuda = info["cuda"]
+    if cuda["can_move_cuda_memory"]:
+        lines.append(
+            f"CUDA         yes: driver {cuda['driver']}, transports "
+            f"{', '.join(cuda['transports'])}"
+        )
+    else:
+        why = []
+        if not cuda["driver"]:
+            why.append("no CUDA driver")
+        if not cuda["transports"]:
+            why.append("no CUDA transports loaded")
+        if "CUDA" not in info["memory_types"]:
+            why.append("UCX context has no CUDA memory type")
+        lines.append(f"CUDA         no ({'; '.join(why)})")
+        if cuda.get("problem"):
+            lines.append(f"  why: {cuda['problem']}")
+    lines.append("transports   (transport/device, memory domain)")
+    for d in info["domains"]:
+        for t, dev in d["transports"]:
+            mts = ",".join(d["memory_types"]) or "-"
+            lines.append(f"  {t + '/' + dev:<24} {d['domain']} (memory: {mts})")
+    if info.get("ucx_info_error"):
+        lines.append(f"  (ucx_info failed: {info['ucx_info_error']})")
+    return "\n".join(lines)
