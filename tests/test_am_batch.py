@@ -214,3 +214,17 @@ def test_batch_to_dead_peer_fails(tls):
             ep.close(force=True)
     finally:
         child.join(10)
+
+
+def test_posted_group_with_repeated_buffers(pair):
+    """am_recv_many_nb checks a repeated buffer once; each entry still gets
+    its message, and a bad buffer is named by its first position."""
+    one = np.zeros(8, np.uint8)
+    two = np.zeros(8, np.uint8)
+    with pytest.raises(BufferError, match="buffer 1"):
+        pair.b.am_recv_many_nb(ID, [one, b"read-only", one, b"read-only"])
+    req = pair.b.am_recv_many_nb(ID, [one, two, one, two])
+    batch = pair.ab.prepare_am(ID, [np.full(8, i, np.uint8) for i in range(4)])
+    pair.drive(req, batch.run_nb())
+    assert req.result() == [8] * 4
+    assert (int(one[0]), int(two[0])) == (2, 3)  # each overwritten in order

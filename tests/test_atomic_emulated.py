@@ -179,6 +179,29 @@ def test_target_without_amo_feature_refuses():
         region.close()
 
 
+def test_target_without_am_feature_never_answers_timeout_bounds_the_wait():
+    """A target whose context lacks "am" has no handler for gpucx's atomics:
+    UCX drops the request, nothing answers; timeout= bounds the wait."""
+    with gpucx.Context() as c1, gpucx.Context(features={"tag", "rma", "amo"}) as c2:
+        a, b = c1.create_worker(), c2.create_worker()
+        ab = a.connect(b.address)
+        mem = np.zeros(1, np.uint64)
+        region = c2.register(mem)
+        key = ab.unpack(region.remote())
+        t0 = time.monotonic()
+        for call in (ab.fetch_add, ab.atomic_add):
+            with pytest.raises(gpucx.TimeoutError):
+                call(key, 1, timeout=0.3)
+        with pytest.raises(gpucx.TimeoutError):
+            ab.compare_swap(key, 0, 1, timeout=0.3)
+        assert time.monotonic() - t0 < 10
+        for _ in range(20):
+            b.progress()
+        assert mem[0] == 0
+        key.close()
+        region.close()
+
+
 def test_initiator_without_am_feature_says_so():
     with gpucx.Context(features={"tag", "rma", "amo"}) as ctx:
         a, b = ctx.create_worker(), ctx.create_worker()

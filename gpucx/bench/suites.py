@@ -245,7 +245,9 @@ def spin_wait(sess, req, timeout: float):
     shared-memory transport signal it and wait for it to wake.
     ``ucx_perftest``'s receiver polls without sleeping, so the bench's
     receivers do too.  The deadline and the endpoint's health are checked
-    every 1000 polls; either ends in ``req.wait``, which raises.
+    every 1000 polls: a failed endpoint raises its error (posted receives
+    belong to the worker and would not fail), the deadline ends in
+    ``req.wait``, which raises.
     """
     end = time.monotonic() + timeout
     ep = sess.ep
@@ -253,7 +255,10 @@ def spin_wait(sess, req, timeout: float):
         for _ in range(1000):
             if req.done():
                 return req.wait(timeout)
-        if ep.error is not None or time.monotonic() > end:
+        err = ep.error
+        if err is not None:
+            raise err
+        if time.monotonic() > end:
             return req.wait(max(end - time.monotonic(), 0.0))
 
 

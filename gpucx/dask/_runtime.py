@@ -166,6 +166,7 @@ class LoopWorker:
         self.aw = gpucx.aio.Worker(context(), progress=progress)
         self.w = self.aw.worker
         self.refs = 0
+        self.parked: list = []  # data endpoints closed once idle
         self._early: dict = {}  # Endpoint -> HELLO bytes
         self._waiting: dict = {}  # Endpoint -> Future
         self.w.set_am_handler(HELLO_AM_ID, self._on_hello)
@@ -306,10 +307,35 @@ def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
     return gpucx.aio.Endpoint(ep, lw.aw._drv)
 
 
-def close_data_endpoint(dep) -> None:
-    """Close a data endpoint: a short flush close (a force close is not
-    allowed without peer error handling, unless the peer died)."""
-    try:
-        dep.close(timeout=0.05)
-    except Exception:
-        pass
+def close_data_endpoint(lw: LoopWorker, dep) -> None:
+    """Close a data endpoint once nothing is pending on it.
+
+    Without peer error handling a force close is not allowed while the peer
+    may still act on our operations (it could read a rendezvous buffer we
+    gave up; UCX would not handle the error on its side).  An endpoint with
+    operations pending is parked and closed by a later sweep (or with the
+    worker); an endpoint whose peer died was failed by gpucx already.
+    """
+    lw.parked.append(dep.endpoint)
+    sweep_parked(lw)
+
+
+def sweep_parked(lw: LoopWorker) -> None:
+    """Flush-close the parked data endpoints that have nothing pending."""
+    from gpucx.request import INPROGRESS
+
+    if not lw.parked or lw.w._h is None:
+        return
+    busy = {r._ep for r in lw.w._pending if r._slot.status == INPROGRESS}
+    keep = []
+    for ep in lw.parked:
+        if ep._h is None:
+            continue
+        if ep in busy:
+            keep.append(ep)
+            continue
+        try:
+            ep.close(timeout=0.5)
+        except Exception:
+            pass
+    lw.parked = keep

@@ -181,6 +181,8 @@ class GpucxComm(Comm):
     # -- Comm API ---------------------------------------------------------------
 
     async def read(self, deserializers=None):
+        """Read one message; ``CommClosedError`` once the comm is closed,
+        the peer closed or failed, or the peer broke the wire format."""
         if self._closed:
             raise CommClosedError(f"{self} is closed")
         s = self._settings
@@ -249,6 +251,8 @@ class GpucxComm(Comm):
             raise CommClosedError(f"{self}: aborted stream on truncated data")
 
     async def write(self, msg, serializers=None, on_error="message") -> int:
+        """Write one message; return its payload bytes.  Aborts the comm
+        (and raises ``CommClosedError``) when the send fails or is cancelled."""
         if self._closed or self._broken is not None:
             raise CommClosedError(f"{self} is closed: {self._broken or 'locally'}")
         frames = await to_frames(
@@ -314,6 +318,7 @@ class GpucxComm(Comm):
         return total
 
     async def close(self) -> None:
+        """Send CLOSE, flush (bounded by ``close-timeout``), close."""
         if self._closed:
             return
         self._closed = True
@@ -382,6 +387,7 @@ class GpucxComm(Comm):
             pass
 
     def abort(self) -> None:
+        """Close at once, without waiting (safe from ``finally`` blocks)."""
         self._closed = True
         self._teardown()
 
@@ -400,7 +406,7 @@ class GpucxComm(Comm):
             self._ep = None
             dep, self._dep = self._dep, None
             if dep is not ep:
-                rt.close_data_endpoint(dep)
+                rt.close_data_endpoint(self._lw, dep)
             try:
                 ep.close(force=True)
             except Exception:  # already gone with its worker
@@ -415,22 +421,28 @@ class GpucxComm(Comm):
             rt.release(self._lw)
 
     def closed(self) -> bool:
+        """True once closed here, or once the peer failed."""
         return self._closed or self._broken is not None
 
     @property
     def local_address(self) -> str:
+        """``gpucx://host:port`` of this side (from ``ucp_ep_query``)."""
         return self._local_addr
 
     @property
     def peer_address(self) -> str:
+        """``gpucx://host:port`` of the peer (as dialled, or from
+        ``ucp_ep_query`` on the listener side)."""
         return self._peer_addr
 
     @property
     def same_host(self) -> bool:
+        """Whether both ends have the same host address."""
         return super().same_host
 
     @property
     def extra_info(self) -> dict:
+        """Nothing beyond the addresses (no TLS)."""
         return {}
 
 
@@ -465,6 +477,8 @@ async def _await(req):
 
 class GpucxConnector(Connector):
     async def connect(self, address: str, deserialize: bool = True, **connection_args):
+        """Connect to ``host:port`` and run the gpucx handshake; an
+        unreachable peer raises ``CommClosedError`` (an ``OSError``)."""
         _refuse_encryption(connection_args)
         s = rt.settings()
         host, port = parse_host_port(address)
@@ -567,12 +581,13 @@ class GpucxListener(BaseListener):
         self.allow_offload = allow_offload
         self.default_host = default_host
         self._lw: rt.LoopWorker | None = None
-        self._lst = None
+        self._lst: gpucx.aio.Listener | None = None
         self._accept_task: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()
         self._stopped = False
 
     async def start(self) -> None:
+        """Listen and start accepting."""
         s = rt.settings()
         self._settings = s
         lw = rt.acquire(s.progress)
@@ -652,7 +667,7 @@ class GpucxListener(BaseListener):
             if sentinel is not None:
                 sentinel.cancel()
             if dep is not None:
-                rt.close_data_endpoint(dep)
+                rt.close_data_endpoint(lw, dep)
             lw.forget(ep.endpoint)
             try:
                 ep.close(force=True)
@@ -681,6 +696,7 @@ class GpucxListener(BaseListener):
         await self.comm_handler(comm)
 
     def stop(self) -> None:
+        """Stop accepting; abort comms still in their handshake."""
         if self._stopped:
             return
         self._stopped = True
@@ -697,6 +713,7 @@ class GpucxListener(BaseListener):
             rt.release(lw)
 
     def get_host_port(self):
+        """``(host, port)`` listened on."""
         if self._lst is None and self._stopped:
             raise ValueError("listener is stopped")
         return self.ip, self._port
@@ -707,10 +724,12 @@ class GpucxListener(BaseListener):
 
     @property
     def listen_address(self) -> str:
+        """The address listened on (maybe a wildcard host)."""
         return self.prefix + unparse_host_port(self.ip, self._port)
 
     @property
     def contact_address(self) -> str:
+        """An address peers can connect to."""
         host = ensure_concrete_host(self.ip, default_host=self.default_host)
         return self.prefix + unparse_host_port(host, self._port)
 

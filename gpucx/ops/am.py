@@ -875,23 +875,31 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
             f"{type(bufs).__name__}"
         ) from None
     n = len(bufs)
-    ptrs = ffi.new(_PTRS, max(n, 1))
-    lens = ffi.new(_SIZES, max(n, 1))
     keeps = []
+    # A buffer that appears many times (a stream into one buffer) is
+    # checked once; the arrays are filled by cffi from lists, in C.
+    seen: dict = {}
+    plist: list = []
+    llist: list = []
     for i, buf in enumerate(bufs):
-        try:
-            ptr, nbytes, mt, keep = acquire(buf, True, stream)
-            if mt != _HOST:
-                raise UnsupportedError(
-                    "posted receives take host memory; receive device memory "
-                    "with a handler and AmMessage.receive_into"
-                )
-        except (TypeError, ValueError, BufferError, UCXError) as exc:
-            exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
-            raise
-        ptrs[i] = ptr
-        lens[i] = nbytes
-        keeps.append(keep)
+        got = seen.get(id(buf))
+        if got is None:
+            try:
+                ptr, nbytes, mt, keep = acquire(buf, True, stream)
+                if mt != _HOST:
+                    raise UnsupportedError(
+                        "posted receives take host memory; receive device memory "
+                        "with a handler and AmMessage.receive_into"
+                    )
+            except (TypeError, ValueError, BufferError, UCXError) as exc:
+                exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
+                raise
+            got = seen[id(buf)] = (ptr, nbytes)
+            keeps.append((buf, keep))
+        plist.append(got[0])
+        llist.append(got[1])
+    ptrs = ffi.new(_PTRS, plist or 1)
+    lens = ffi.new(_SIZES, llist or 1)
     if stream is not None:
         _cuda.prepare(worker, ffi.NULL, _HOST, stream, _RECV)
     reg = _recv_reg(am, am_id)
