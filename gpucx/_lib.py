@@ -13,9 +13,10 @@ import os
 from ._version import __version__
 
 # The oldest UCX the supported range (pyproject, README "UCX versions")
-# starts at; older releases differ in behaviour gpucx relies on (1.18 still
-# offers atomics on peer-error-handling endpoints) and are not tested.
-MIN_UCX = (1, 19)
+# starts at; older releases differ in behaviour gpucx relies on (1.19 accepts
+# unknown config keys and warns about MM_ERROR_HANDLING without shared-memory
+# transports; see benchmarks/RESULTS.md, "UCX versions").
+MIN_UCX = (1, 20)
 
 _prefix = os.environ.get("GPUCX_UCX_PREFIX", "").strip()
 

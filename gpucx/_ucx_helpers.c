@@ -26,10 +26,10 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define GPUCX_MIN_UCX UCP_VERSION(1, 19)
+#define GPUCX_MIN_UCX UCP_VERSION(1, 20)
 
 #if UCP_API_VERSION < GPUCX_MIN_UCX
-#error "gpucx needs UCX >= 1.19 headers (libucx-cu12 >= 1.19)"
+#error "gpucx needs UCX >= 1.20 headers (libucx-cu12 >= 1.20)"
 #endif
 
 #define GPUCX_ERRQ_CAP  256

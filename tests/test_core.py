@@ -374,5 +374,5 @@ def test_ucx_version_gate():
     assert version_problem((1, 22, 0)) is None
     assert version_problem(MIN_UCX + (0,)) is None
     msg = version_problem((1, 14, 2))
-    assert "1.14.2" in msg and "1.19" in msg
+    assert "1.14.2" in msg and "1.20" in msg
     assert gpucx.UCX_VERSION >= MIN_UCX + (0,)
