@@ -26,7 +26,18 @@ CDEFS = HERE / "_cdefs"
 # must be there: a missing source is a build error, never skipped.
 C_SOURCES = ["_ucx_helpers.c"] + [
     f"_csrc/{name}.c"
-    for name in ("am", "stream", "rma", "atomic", "am_batch", "bench", "sockaddr")
+    for name in (
+        "worker",
+        "ep",
+        "tag",
+        "am",
+        "stream",
+        "rma",
+        "atomic",
+        "am_batch",
+        "bench",
+        "sockaddr",
+    )
 ]
 
 
