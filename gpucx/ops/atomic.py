@@ -154,19 +154,20 @@ class _AmoRequest(Request):
                 self._value = exc
 
 
-def _run(
-    ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
-):
+def _post_args(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
+    """What the blocking and non-blocking forms both pass to C: the worker,
+    whether gpucx emulates the atomic, its record, and the argument tuple
+    of ``gpucx_atomic``/``gpucx_atomic_wait`` (less the spin)."""
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
     w = ep._w
     if stream is not None:
-        # Host operands: nothing is made current, prepare() only waits.
+        # Host operands: nothing is made current, ready() only waits.
         _cuda.ready(w, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
-    st = lib.gpucx_atomic_wait(
+    args = (
         w._state,
         h,
         emulate,
@@ -180,8 +181,17 @@ def _run(
         rkey._base,
         rkey._size,
         amo,
-        w._spin_ns,
     )
+    return w, emulate, amo, args
+
+
+def _run(
+    ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
+):
+    w, emulate, amo, args = _post_args(
+        ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
+    )
+    st = lib.gpucx_atomic_wait(*args, w._spin_ns)
     if st:
         if st == INPROGRESS:
             # UCX cannot cancel its own atomics (it aborts the process when
@@ -194,29 +204,10 @@ def _run(
 
 
 def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
-    h, raddr = _prepare(ep, rkey, offset, nbytes, what)
-    operand = _word(value, nbytes, what, "value")
-    other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
-    w = ep._w
-    if stream is not None:
-        _cuda.ready(w, 0, _HOST, stream, what)
-    emulate = ep._peer_mode
-    amo = ffi.new("gpucx_amo_t *")
-    st = lib.gpucx_atomic(
-        w._state,
-        h,
-        emulate,
-        op,
-        fetch,
-        operand,
-        other,
-        nbytes,
-        raddr,
-        rkey._h,
-        rkey._base,
-        rkey._size,
-        amo,
+    w, emulate, amo, args = _post_args(
+        ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     )
+    st = lib.gpucx_atomic(*args)
     if emulate and st == lib.UCS_ERR_UNSUPPORTED and not w._amo_ok:
         _fail(st, what, ep, True)  # nothing was posted
     if fetch:
