@@ -353,42 +353,33 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     parent = None
     if buf.memory_type == MemoryType.HOST:
         parent = _containing(ctx, buf.ptr, buf.nbytes)
-        # Only a writable registration shares the (writable) mapping: a
-        # read-only one gets its own, mapped without remote write permission,
-        # and still closes with the allocation, whose memory it is.
-        if parent is not None and writable:
-            # Memory UCX allocated (shared memory a peer on this host maps):
-            # share its mapping, so the token carries the same keys and
-            # peers write into it directly instead of through emulation.
-            region = MemoryRegion(
+    if parent is not None and writable:
+        # Memory UCX allocated (shared memory a peer on this host maps):
+        # share its mapping, so the token carries the same keys and peers
+        # write into it directly instead of through emulation.  Only a
+        # writable registration shares the (writable) mapping: a read-only
+        # one gets its own, mapped without remote write permission, and
+        # still closes with the allocation, whose memory it is.
+        memh, own = parent._h, False
+    else:
+        pushed = False
+        if buf.memory_type in CUDA_TYPES:
+            # UCX registers device memory in the current context: make the
+            # owner of the pointer current.
+            _cuda.check(ctx, "register")
+            pushed = _cuda.enter(buf.ptr)
+        try:
+            memh, _addr, _len, _mt = _map(
                 ctx,
-                buf.ptr,
+                ffi.cast("void *", buf.ptr),
                 buf.nbytes,
-                buf.memory_type,
-                not writable,
-                buf.owner,
+                int(buf.memory_type),
                 False,
-                within=parent,
+                not writable,
             )
-            region._h = parent._h
-            return region
-    pushed = False
-    if buf.memory_type in CUDA_TYPES:
-        # UCX registers device memory in the current context: make the
-        # owner of the pointer current.
-        _cuda.check(ctx, "register")
-        pushed = _cuda.enter(buf.ptr)
-    try:
-        memh, _addr, _len, _mt = _map(
-            ctx,
-            ffi.cast("void *", buf.ptr),
-            buf.nbytes,
-            int(buf.memory_type),
-            False,
-            not writable,
-        )
-    finally:
-        _cuda.leave(pushed)
+        finally:
+            _cuda.leave(pushed)
+        own = True
     region = MemoryRegion(
         ctx,
         buf.ptr,
@@ -400,7 +391,7 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         within=parent,
     )
     region._h = memh
-    region._own_map = True
+    region._own_map = own
     return region
 
 
