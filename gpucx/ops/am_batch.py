@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import ClosedError, UCXError
+from ..errors import UCXError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import HOST_INT as _HOST
-from ..request import SPIN_NS, Request, _new_settled, _Settled, finish
+from ..request import Request, _new_settled, _Settled, finish
 from . import am as _am
+from ._prepared import Prepared
 
 __all__ = ["prepare_am", "AmBatch"]
 
@@ -79,7 +80,7 @@ def prepare_am(
     return AmBatch(ep, am_id, bufs, header, reply, proto)
 
 
-class AmBatch:
+class AmBatch(Prepared):
     """A prepared list of active messages on one endpoint
     (:meth:`Endpoint.prepare_am`).
 
@@ -102,21 +103,7 @@ class AmBatch:
         Payload bytes one run sends (the sum of the entries' sizes).
     """
 
-    __slots__ = (
-        "endpoint",
-        "am_id",
-        "nbytes",
-        "_items",
-        "_count",
-        "_keep",
-        "_header",
-        "_flags",
-        "_cuda_ptr",
-        "_cuda_mt",
-        "__weakref__",
-    )
-
-    _keep: list | None
+    __slots__ = ("am_id", "_header", "_flags")
 
     def __init__(self, ep, am_id, bufs, header, reply, proto):
         if ep._h is None:
@@ -178,38 +165,9 @@ class AmBatch:
         state = "closed" if self._keep is None else f"{self._count} messages"
         return f"<gpucx.AmBatch id {self.am_id} {state}, {self.nbytes} bytes>"
 
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
-        return self._keep is None
-
-    def close(self) -> None:
-        """Let go of the buffers.  Runs still in flight keep what they use
-        until they complete.  Safe to call twice."""
-        self._keep = None
-        self._items = None
-
-    def __enter__(self) -> AmBatch:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _post(self, stream, spin_ns: int):
-        if self._keep is None:
-            raise ClosedError("AmBatch is closed")
-        ep = self.endpoint
-        h = ep._h
-        if h is None:
-            raise_closed(ep)
-        w = ep._w
-        if self._cuda_ptr is None and stream is None:
-            return self._run(w, h, spin_ns)
-        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, _WHAT):
-            return self._run(w, h, spin_ns)
+        w, h = self._open()
+        return self._through_door(w, stream, _WHAT, self._run, w, h, spin_ns)
 
     def _run(self, w, h, spin_ns: int):
         op = ffi.new(_OP)
@@ -276,7 +234,7 @@ class AmBatch:
         gpucx.ClosedError, gpucx.UnsupportedError
             As for :meth:`run_nb`, before anything is sent.
         """
-        st, op = self._post(stream, SPIN_NS)
+        st, op = self._post(stream, self.endpoint._w._spin_ns)
         if st:
             finish(
                 self.endpoint._w,

@@ -24,7 +24,7 @@ import time
 
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import ClosedError, UCXError, UnsupportedError
+from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import CUDA_TYPES
@@ -39,6 +39,7 @@ from ..request import (
     posted,
     raise_status,
 )
+from ._prepared import Prepared
 
 __all__ = [
     "unpack",
@@ -383,7 +384,7 @@ def prepare_get(ep, entries) -> Transfer:
     return Transfer(ep, entries, True)
 
 
-class Transfer:
+class Transfer(Prepared):
     """A prepared list of puts or gets on one endpoint
     (:meth:`Endpoint.prepare_put` / :meth:`Endpoint.prepare_get`).
 
@@ -411,21 +412,7 @@ class Transfer:
         Bytes one run moves (the sum of the entries' sizes).
     """
 
-    __slots__ = (
-        "endpoint",
-        "kind",
-        "nbytes",
-        "_items",
-        "_count",
-        "_keep",
-        "_keys",
-        "_is_get",
-        "_cuda_ptr",
-        "_cuda_mt",
-        "__weakref__",
-    )
-
-    _keep: list | None
+    __slots__ = ("kind", "_keys", "_is_get")
 
     def __init__(self, ep, entries, is_get: bool):
         if ep._h is None:
@@ -479,45 +466,23 @@ class Transfer:
         state = "closed" if self._keep is None else f"{self._count} entries"
         return f"<gpucx.Transfer {self.kind} {state}, {self.nbytes} bytes>"
 
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` was called."""
-        return self._keep is None
-
     def close(self) -> None:
         """Let go of the buffers and keys.  Runs still in flight keep what
         they use until they complete.  Safe to call twice."""
-        self._keep = None
+        super().close()
         self._keys = ()
-        self._items = None
-
-    def __enter__(self) -> Transfer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _post(self, notify, stream, spin_ns: int):
         """Check what may have closed, post every entry (and progress up to
         ``spin_ns``); returns ``(status, op, notify bytes)``."""
-        if self._keep is None:
-            raise ClosedError("Transfer is closed")
-        ep = self.endpoint
-        h = ep._h
-        if h is None:
-            raise_closed(ep)
+        w, h = self._open()
         for key in self._keys:
             if key._h is None:
                 raise_closed(key)
-        w = ep._w
         note = ffi.NULL if notify is None else _notify_bytes(notify, w)
-        if self._cuda_ptr is None and stream is None:
-            return self._run(w, h, notify, note, spin_ns)
-        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, self.kind):
-            return self._run(w, h, notify, note, spin_ns)
+        return self._through_door(
+            w, stream, self.kind, self._run, w, h, notify, note, spin_ns
+        )
 
     def _run(self, w, h, notify, note, spin_ns: int):
         op = ffi.new(_OP)

@@ -1,0 +1,74 @@
+"""What prepared batches share (:class:`~gpucx.Transfer`, :class:`AmBatch`):
+the closed state, ``len()``, the with-statement, and the checks and CUDA
+door around one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._handle import raise_closed
+from ..errors import ClosedError
+from ..mem import cuda as _cuda
+
+
+class Prepared:
+    """Base of the prepared batches.  A subclass sets ``endpoint``,
+    ``_items``, ``_count``, ``_keep`` (None once closed), ``_cuda_ptr`` and
+    ``_cuda_mt`` (the first device buffer, or None)."""
+
+    __slots__ = (
+        "endpoint",
+        "nbytes",
+        "_items",
+        "_count",
+        "_keep",
+        "_cuda_ptr",
+        "_cuda_mt",
+        "__weakref__",
+    )
+
+    endpoint: Any
+    _items: Any
+    _count: int
+    _keep: list | None
+    _cuda_ptr: int | None
+    _cuda_mt: int
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._keep is None
+
+    def close(self) -> None:
+        """Let go of the buffers.  Runs still in flight keep what they use
+        until they complete.  Safe to call twice."""
+        self._keep = None
+        self._items = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _open(self):
+        """The worker and endpoint handle of a run; ClosedError if the
+        batch or its endpoint is closed."""
+        if self._keep is None:
+            raise ClosedError(f"{type(self).__name__} is closed")
+        ep = self.endpoint
+        h = ep._h
+        if h is None:
+            raise_closed(ep)
+        return ep._w, h
+
+    def _through_door(self, w, stream, what: str, run, *args):
+        """``run(*args)``, inside the CUDA door when the batch holds device
+        memory or a ``stream`` is given (host batches skip it)."""
+        if self._cuda_ptr is None and stream is None:
+            return run(*args)
+        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, what):
+            return run(*args)
