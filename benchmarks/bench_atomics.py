@@ -24,21 +24,18 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
+from bench_rma import perftest
 
 WINDOW = 64
 #: fetch_add_nb calls per timed batch; the rate is that of the median batch
 #: (a shared VM deschedules a process now and then: the mean would measure
 #: the scheduler).
 BATCH = 256
-PORT = 13500
 
 
 def _config(tls):
@@ -117,40 +114,6 @@ def client(tls, n, allocate=False):
     return out
 
 
-def perftest(n, tls):
-    import libucx
-
-    global PORT
-    PORT += 1
-    root = os.path.dirname(libucx.__file__)
-    exe = os.path.join(root, "bin", "ucx_perftest")
-    env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(root, "lib"))
-    if tls != "default":
-        env["UCX_TLS"] = tls
-    args = ["-t", "ucp_fadd", "-s", "8", "-n", str(n), "-p", str(PORT)]
-    srv = subprocess.Popen(
-        [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        time.sleep(1.0)
-        res = subprocess.run(
-            [exe, "localhost", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        srv.wait(30)
-    for line in res.stdout.splitlines():
-        if line.startswith("Final:"):
-            f = [float(x) for x in re.split(r"\s+", line.strip())[1:]]
-            # iterations, p50, avg, overall latency (us), bw avg/overall,
-            # msg rate avg/overall
-            return {"p50": f[1], "rate": f[7]}
-    raise RuntimeError(f"ucx_perftest printed no result:\n{res.stdout}{res.stderr}")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tls", default="default,tcp", help="families, comma-separated")
@@ -166,7 +129,7 @@ def main():
         rows: dict = {}
         for _ in range(args.rounds):
             g = client(tls, args.n, args.allocate)
-            p = perftest(args.n, tls)
+            p = perftest("ucp_fadd", 8, args.n, tls)
             for path in ("ucx", "emulated"):
                 rows.setdefault(f"{path} lat", []).append(g[(path, "lat")])
                 rows.setdefault(f"{path} rate", []).append(g[(path, "rate")])
