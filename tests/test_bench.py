@@ -345,7 +345,7 @@ def test_c_rma_stream_moves_the_data(pair, tls, get, window):
 
 
 def test_rkey_handle_only_takes_rkeys():
-    from gpucx.bench.suites import rkey_handle
+    from gpucx._internal import rkey_handle
 
     class Fake:
         _h = ffi.new("int *")

@@ -19,6 +19,7 @@ import time
 
 import gpucx
 
+from .._internal import abandon, event_fd, handle
 from .._lib import lib
 from .errors import BenchSetupError
 
@@ -222,7 +223,7 @@ class Session:
                     if req.done():  # progresses once when not
                         break
             else:
-                lib.gpucx_worker_sleep(w._h, w._efd, 100)
+                lib.gpucx_worker_sleep(handle(w), event_fd(w), 100)
         try:
             info = req.result()
         except gpucx.MessageTruncatedError as exc:
@@ -244,7 +245,7 @@ class Session:
         """Close the endpoint, worker and context (and reap a child peer)."""
         try:
             if self.tainted:
-                self.ctx._abandon("abandoned after a failed benchmark")
+                abandon(self.ctx, "abandoned after a failed benchmark")
             elif self.ep is not None and not self.ep.closed:
                 self.ep.close(force=True)
         finally:

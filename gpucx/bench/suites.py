@@ -23,6 +23,7 @@ import numpy
 
 import gpucx
 
+from .._internal import handle, park, rkey_handle
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
 from ..request import INPROGRESS, raise_status
@@ -280,7 +281,7 @@ def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
     w = sess.worker
     for i in range(n):
         if slots[i].status == INPROGRESS:
-            w._park(slots + i, (slots, keep))
+            park(w, slots + i, (slots, keep))
             sess.tainted = True
     raise_status(st, what, sess.ep)
 
@@ -308,8 +309,8 @@ class TagLat(Bench):
         rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
         slots = c_slots(2)
         st = lib.gpucx_bench_tag_pingpong(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             initiator,
             sp,
             smt,
@@ -374,8 +375,8 @@ class TagBw(Bench):
         slots = c_slots(nslots)
         ack = ffi.new("uint64_t *")
         st = lib.gpucx_bench_tag_stream(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             send,
             bp,
             n,
@@ -634,19 +635,6 @@ class _RmaBase(Bench):
         raise NotImplementedError
 
 
-def rkey_handle(rmem):
-    """The ``ucp_rkey_h`` of a RemoteKey, when it exposes one as ``_h``.
-
-    The RMA bandwidth tests then run their loop in C
-    (``gpucx_bench_rma_stream``); otherwise they post from Python.
-    """
-    h = getattr(rmem, "_h", None)
-    try:
-        return h if ffi.typeof(h) is ffi.typeof("ucp_rkey_h") else None
-    except TypeError:
-        return None
-
-
 class _RmaBw(_RmaBase):
     kind = "bw"
     latency_note = "time per message"
@@ -659,8 +647,8 @@ class _RmaBw(_RmaBase):
         nslots = self.p.window + 1
         slots = c_slots(nslots)
         st = lib.gpucx_bench_rma_stream(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             self.get,
             ptr,
             nbytes,
