@@ -23,7 +23,6 @@ from .request import INPROGRESS
 
 __all__ = [
     "handle",
-    "event_fd",
     "rkey_handle",
     "park",
     "abandon",
@@ -40,12 +39,6 @@ def handle(obj: Any) -> Any:
     For C loops that take the handle directly (``gpucx/_csrc/bench.c``);
     the caller checks ``None`` (or has checked the object is open)."""
     return obj._h
-
-
-def event_fd(worker: Any) -> int:
-    """The worker's event fd (-1 without one), as ``gpucx_worker_sleep``
-    takes it."""
-    return worker._efd
 
 
 def rkey_handle(rmem: Any) -> Any:

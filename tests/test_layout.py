@@ -200,3 +200,35 @@ def test_reach_finder_sees_a_reach(tmp_path: pathlib.Path) -> None:
     )
     hits = _private_reaches(bad, {"_h", "_efd"})
     assert [h.rpartition(": ")[2] for h in hits] == ["w._h", "getattr(w, '_efd')"]
+
+
+# -- one wait loop ----------------------------------------------------------------
+
+# The C calls that sleep on a worker's event fd, and where they may be called:
+# gpucx.request holds the waits (block, wait_for, wait_closing, settle,
+# abandon); gpucx.aio is the event-loop driver, whose progress thread sleeps
+# on the fd by design.  ``time.sleep`` is not for the core at all (the
+# benchmark's process management and Dask's own retries are not worker waits).
+_SLEEPS = {"gpucx_worker_sleep", "gpucx_wait_sleep"}
+_MAY_SLEEP = {"gpucx.request", "gpucx.aio"}
+
+
+def test_one_module_sleeps_on_the_worker() -> None:
+    found = []
+    for name, path in _modules().items():
+        if name in _MAY_SLEEP:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in _SLEEPS:
+                found.append(f"{name}:{node.lineno}: {node.attr}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "sleep"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "time"
+                and not name.startswith(("gpucx.bench.", "gpucx.dask."))
+            ):
+                found.append(f"{name}:{node.lineno}: time.sleep")
+    assert not found, "wait through gpucx.request (wait_for, block...):\n" + "\n".join(
+        found
+    )

@@ -20,8 +20,6 @@ sees anything.
 
 from __future__ import annotations
 
-import time
-
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
@@ -38,6 +36,7 @@ from ..request import (
     new_slot,
     posted,
     raise_status,
+    wait_for,
 )
 from ._prepared import Prepared
 
@@ -62,7 +61,6 @@ NOTIFY_MAX = lib.GPUCX_NOTIFY_MAX_LEN
 
 _PUT = "put"
 _GET = "get"
-_SLICE_MS = 100
 
 
 def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
@@ -654,14 +652,10 @@ def notifications(worker, timeout: float | None = None) -> list:
     if timeout is None or timeout <= 0:
         lib.ucp_worker_progress(h)
     elif not lib.gpucx_notify_wait(h, q, worker._spin_ns):
-        deadline = time.monotonic() + timeout
-        while q.stat.count == 0:
-            worker._poll_events()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ms = min(_SLICE_MS, max(1, int(left * 1000)))
-            lib.gpucx_worker_sleep(h, worker._efd, ms)
+        # Spun in C for the worker's GPUCX_SPIN_US first (the fast path: one
+        # crossing, no Python per progress call), then sleep in slices.
+        worker._poll_events()
+        wait_for(worker, lambda: q.stat.count, timeout)
     out = []
     item = _pop_notification(worker)
     while item is not None:
