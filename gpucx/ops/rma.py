@@ -30,8 +30,6 @@ from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     Request,
-    _new_settled,
-    _Settled,
     finish,
     new_slot,
     posted,
@@ -527,16 +525,8 @@ class Transfer(Prepared):
             a CUDA driver.
         """
         st, op, note = self._post(notify, stream, 0)
-        if st == 0:
-            return _new_settled(_Settled)
-        return Request(
-            self.endpoint._w,
-            ffi.addressof(op, "slot"),
-            (self._keep, self._keys, op, note),
-            f"{self.kind} transfer",
-            None,
-            self.endpoint,
-        )
+        keep = (self._keep, self._keys, op, note)
+        return self._request(st, op, keep, f"{self.kind} transfer")
 
     def run(self, timeout=None, *, notify=None, stream=None) -> None:
         """Post every entry and wait until all completed (see :meth:`run_nb`).
@@ -553,16 +543,8 @@ class Transfer(Prepared):
             As for :meth:`run_nb`, before anything is posted.
         """
         st, op, note = self._post(notify, stream, self.endpoint._w._spin_ns)
-        if st:
-            finish(
-                self.endpoint._w,
-                ffi.addressof(op, "slot"),
-                st,
-                timeout,
-                f"{self.kind} transfer",
-                self.endpoint,
-                (self._keep, self._keys, op, note),
-            )
+        keep = (self._keep, self._keys, op, note)
+        self._finish(st, op, keep, f"{self.kind} transfer", timeout)
 
 
 def _entry(ep, w, what: str, is_get: bool, entry):
