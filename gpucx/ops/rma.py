@@ -193,13 +193,7 @@ def put(
     if notify is not None:
         put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
         return
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    post = lib.gpucx_put_wait
-    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _PUT)
+    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -216,18 +210,11 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     ValueError, TypeError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`put`, before anything is posted.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    w = ep._w
-    if notify is not None:
-        note = _notify_bytes(notify, w)
     if notify is None:
-        return _post_nb(
-            ep, h, lib.gpucx_put, ptr, n, raddr, rkey, mt, stream, keep, _PUT
-        )
+        return _post_nb(ep, lib.gpucx_put, buf, rkey, offset, stream, _PUT)
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
+    w = ep._w
+    note = _notify_bytes(notify, w)
     op = ffi.new("gpucx_notify_op_t *")
     if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
@@ -258,18 +245,26 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
+    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET)
+
+
+def _checked(ep, buf, rkey, offset, stream, what: str):
+    """The checks of a put or a get, before UCX sees anything: the endpoint
+    handle, the local buffer (written by a get) and the remote address
+    inside the key's region: ``(h, ptr, n, mt, keep, raddr)``."""
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    post = lib.gpucx_get_wait
-    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _GET)
+    is_get = what == _GET
+    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
+    return h, ptr, n, mt, keep, raddr
 
 
-def _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, what):
+def _post_wait(ep, post, buf, rkey, offset, stream, timeout, what: str) -> None:
     """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
     ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
@@ -295,17 +290,13 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     ValueError, BufferError, TypeError, gpucx.ClosedError
         As for :func:`get`, before anything is posted.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    return _post_nb(ep, h, lib.gpucx_get, ptr, n, raddr, rkey, mt, stream, keep, _GET)
+    return _post_nb(ep, lib.gpucx_get, buf, rkey, offset, stream, _GET)
 
 
-def _post_nb(ep, h, post, ptr, n: int, raddr, rkey, mt: int, stream, keep, what):
+def _post_nb(ep, post, buf, rkey, offset, stream, what: str) -> Request:
     """Post a put or a get (``post``: ``gpucx_put`` or ``gpucx_get``) and
     return its request: the shared body of :func:`put_nb` and :func:`get_nb`."""
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
