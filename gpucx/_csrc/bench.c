@@ -7,7 +7,7 @@
  * Python->C crossing per measured point, none per message.
  *
  * The loops post through the shared helpers (gpucx_tag_send/recv in tag.c,
- * gpucx_put/get in rma.c); the RMA loop's registration and remote keys
+ * gpucx__rma in rma.c); the RMA loop's registration and remote keys
  * come from the product path (gpucx_mem_map, gpucx_rkey_pack/unpack).
  *
  * Every loop has a deadline.  The caller owns the slot array (and the
@@ -109,6 +109,19 @@ static void gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
     }
 }
 
+/* End a run: the time since t0 into *elapsed_ns and, on failure, the
+ * abort above over the run's n slots.  Returns st. */
+static ucs_status_t gpucx__bench_end(gpucx_bench_ctl_t *c, uint64_t t0,
+                                     ucs_status_t st, gpucx_slot_t *slots,
+                                     unsigned n, uint64_t *elapsed_ns)
+{
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(c, slots, n);
+    }
+    return st;
+}
+
 static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
                                              int send, void *buf, size_t len,
                                              uint64_t tag, int mt,
@@ -186,11 +199,7 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
     }
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, nslots);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, nslots, elapsed_ns);
 }
 
 /* Ping-pong: the initiator sends `len` bytes from sbuf and receives the
@@ -246,11 +255,7 @@ static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
         }
     }
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, 2);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, 2, elapsed_ns);
 }
 
 /* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between
@@ -283,8 +288,7 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
         if (st != UCS_OK) {
             goto out;
         }
-        st = get ? gpucx_get(ep, buf, len, remote_addr, rkey, mt, s)
-                 : gpucx_put(ep, buf, len, remote_addr, rkey, mt, s);
+        st = gpucx__rma(ep, get, buf, len, remote_addr, rkey, mt, s);
         if (UCS_STATUS_IS_ERR(st)) {
             goto out;
         }
@@ -300,9 +304,5 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
     }
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, nslots);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, nslots, elapsed_ns);
 }
