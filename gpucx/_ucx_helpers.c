@@ -396,6 +396,26 @@ static ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd,
     return slot->status;
 }
 
+/* ---- active-message handlers ------------------------------------------- */
+
+/* Install the receive callback cb (arg) for AM id on worker, or remove it
+ * (cb == NULL).  flags: UCP_AM_FLAG_*. */
+static ucs_status_t gpucx__am_handler(ucp_worker_h worker, unsigned id,
+                                      uint32_t flags, ucp_am_recv_callback_t cb,
+                                      void *arg)
+{
+    ucp_am_handler_param_t p;
+
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    p.id    = id;
+    p.flags = flags;
+    p.cb    = cb;
+    p.arg   = arg;
+    return ucp_worker_set_am_recv_handler(worker, &p);
+}
+
 /* ---- context ----------------------------------------------------------- */
 
 static ucs_status_t gpucx_config_create(ucp_config_t **out)
