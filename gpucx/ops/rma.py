@@ -193,7 +193,7 @@ def put(
     if notify is not None:
         put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
         return
-    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT)
+    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT, False)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -211,7 +211,7 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
         As for :func:`put`, before anything is posted.
     """
     if notify is None:
-        return _post_nb(ep, lib.gpucx_put, buf, rkey, offset, stream, _PUT)
+        return _post_nb(ep, lib.gpucx_put, buf, rkey, offset, stream, _PUT, False)
     h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
     w = ep._w
     note = _notify_bytes(notify, w)
@@ -245,13 +245,14 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
-    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET)
+    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET, True)
 
 
 def _checked(ep, buf, rkey, offset, stream, what: str):
     """The checks of a put or a get, before UCX sees anything: the endpoint
     handle, the local buffer (written by a get) and the remote address
-    inside the key's region: ``(h, ptr, n, mt, keep, raddr)``."""
+    inside the key's region: ``(h, ptr, n, mt, keep, raddr)``.  (The put
+    with notify; _post_wait and _post_nb write these checks out.)"""
     h = ep._h
     if h is None:
         raise_closed(ep)
@@ -261,10 +262,18 @@ def _checked(ep, buf, rkey, offset, stream, what: str):
     return h, ptr, n, mt, keep, raddr
 
 
-def _post_wait(ep, post, buf, rkey, offset, stream, timeout, what: str) -> None:
+def _post_wait(
+    ep, post, buf, rkey, offset, stream, timeout, what: str, is_get: bool
+) -> None:
     """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
     ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
-    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
+    # The checks of _checked, written out here and in _post_nb: one Python
+    # call per put or get (a call more costs a few percent of a small one).
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
@@ -290,13 +299,17 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     ValueError, BufferError, TypeError, gpucx.ClosedError
         As for :func:`get`, before anything is posted.
     """
-    return _post_nb(ep, lib.gpucx_get, buf, rkey, offset, stream, _GET)
+    return _post_nb(ep, lib.gpucx_get, buf, rkey, offset, stream, _GET, True)
 
 
-def _post_nb(ep, post, buf, rkey, offset, stream, what: str) -> Request:
+def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Request:
     """Post a put or a get (``post``: ``gpucx_put`` or ``gpucx_get``) and
     return its request: the shared body of :func:`put_nb` and :func:`get_nb`."""
-    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
