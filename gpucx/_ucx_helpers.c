@@ -130,10 +130,6 @@ static inline void gpucx__qstat_leave(gpucx_qstat_t *s, size_t nbytes)
 
 static const char *gpucx_package_version(void) { return GPUCX_VERSION_STRING; }
 static const char *gpucx_build_ucx_prefix(void) { return GPUCX_UCX_PREFIX_STRING; }
-static const unsigned GPUCX_HEADERS_MAJOR = UCP_API_MAJOR;
-static const unsigned GPUCX_HEADERS_MINOR = UCP_API_MINOR;
-static const unsigned GPUCX_ERRQ_CAPACITY = GPUCX_ERRQ_CAP;
-static const unsigned GPUCX_CONNQ_CAPACITY = GPUCX_CONNQ_CAP;
 
 
 /* ---- status names ------------------------------------------------------ */

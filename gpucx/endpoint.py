@@ -22,7 +22,7 @@ from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot, settle
+from .request import INPROGRESS, finish, new_slot, settle, wait_closing
 
 __all__ = ["Endpoint"]
 
@@ -341,24 +341,22 @@ class Endpoint(Handle):
         """
         w = self._w
         slot = new_slot()
-        st = lib.gpucx_ep_flush(self._h, slot)
+        lib.gpucx_ep_flush(self._h, slot)  # a final status lands in the slot
         # Receives on the endpoint (stream) wait for the peer to send, which
         # it may never do: the close cancels them rather than waiting.
         mine = [r for r in w._pending if r._ep is self and r._what != _stream._RECV]
-        end = time.monotonic() + time_left(deadline)
-        siblings = _siblings(w)
-        efd = -1 if siblings else w._efd
+
+        def drained() -> bool:
+            nonlocal mine
+            if slot.status == INPROGRESS:
+                return False
+            mine = [r for r in mine if r._slot.status == INPROGRESS]
+            return not mine
+
         try:
-            while True:
-                if st == INPROGRESS:
-                    st = slot.status
-                if st != INPROGRESS:
-                    mine = [r for r in mine if r._slot.status == INPROGRESS]
-                    if not mine:
-                        return self._state.error == lib.UCS_OK
-                if time.monotonic() >= end:
-                    return False
-                _nap(w, siblings, efd)
+            end = time.monotonic() + time_left(deadline)
+            done = wait_closing(w, drained, end, _siblings(w))
+            return done and self._state.error == lib.UCS_OK
         finally:
             if slot.status == INPROGRESS:
                 # The force close that follows completes the flush request.
@@ -392,20 +390,7 @@ def _close_wait(worker, slot, timeout: float) -> None:
     worker's event fd.
     """
     end = time.monotonic() + timeout
-    siblings = _siblings(worker)
-    efd = -1 if siblings else worker._efd
-    while slot.status == INPROGRESS and time.monotonic() < end:
-        _nap(worker, siblings, efd)
-
-
-def _nap(worker, siblings: list, efd: int) -> None:
-    """One step of a close wait: progress the sibling workers (the peer may
-    be one of them), then sleep up to 1 ms on ``worker`` (``efd``: its
-    event fd, or -1 to sleep without one)."""
-    for other in siblings:
-        if other._h is not None:
-            lib.ucp_worker_progress(other._h)
-    lib.gpucx_worker_sleep(worker._h, efd, 1)
+    wait_closing(worker, lambda: slot.status != INPROGRESS, end, _siblings(worker))
 
 
 def _check_worker_address(blob: bytes, local: bytes) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .errors import check
-from .request import slice_ms
+from .request import wait_for
 
 __all__ = ["Listener"]
 
@@ -61,15 +59,9 @@ class Listener(Handle):
         gpucx.ClosedError
             If the listener is closed.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
         what = f"no connection on {self.host}:{self.port}"
-        while True:
-            ep = self._try_accept(error_handling)
-            if ep is not None:
-                return ep
-            w = self._w
-            lib.gpucx_worker_sleep(w._h, w._efd, slice_ms(deadline, timeout, what))
-            w._poll_events()
+        accept = self._try_accept
+        return wait_for(self._w, lambda: accept(error_handling), timeout, what)
 
     def _try_accept(self, error_handling: bool = True):
         """The endpoint of the oldest queued connection request, or None."""

@@ -5,16 +5,22 @@ callback writes), the worker it progresses, and whatever the operation reads
 or writes (buffers, IOV arrays) until the operation completes.  The UCX
 request handle is released exactly once, by C, when completion is observed.
 
-:func:`block` is the one waiting loop: it spins in C, then sleeps on the
-worker's event fd (cffi releases the GIL), checks the deadline between
-slices, and on timeout or interrupt cancels the operation and drains it so
-that UCX never writes into memory Python has freed.
+:func:`block` is the one waiting loop for an operation: it spins in C, then
+sleeps on the worker's event fd (cffi releases the GIL), checks the deadline
+between slices, and on timeout or interrupt cancels the operation and drains
+it so that UCX never writes into memory Python has freed.  The other waits
+live here too, one function each: :func:`wait_for` (anything else the
+blocking API waits for: a connection, an array, a notification),
+:func:`wait_closing` (a close that needs the peer), :func:`settle` (the
+close paths' bounded drain of requests) and :func:`abandon`.  No other
+module writes a progress-and-sleep loop (docs/layout.md).
 """
 
 from __future__ import annotations
 
 import time
 from collections import namedtuple
+from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from typing import Any
 
@@ -29,7 +35,16 @@ from .errors import (
     peer_gone,
 )
 
-__all__ = ["Request", "RecvInfo", "block", "INPROGRESS", "posted"]
+__all__ = [
+    "Request",
+    "RecvInfo",
+    "block",
+    "wait_for",
+    "wait_closing",
+    "settle",
+    "INPROGRESS",
+    "posted",
+]
 
 INPROGRESS = lib.UCS_INPROGRESS
 OK = lib.UCS_OK
@@ -120,6 +135,85 @@ def block(
     except BaseException:
         abandon(worker, slot, keep, cancel)
         raise
+
+
+#: Progress calls between two looks at the deadline in a polling wait.
+POLL_STRIDE = 1000
+
+
+def wait_for(
+    worker,
+    ready: Callable[[], Any],
+    timeout: float | None,
+    what: str | None = None,
+    check: Callable[[], object] | None = None,
+    poll: bool = False,
+) -> Any:
+    """Wait on ``worker`` until ``ready()`` returns something true; return it.
+
+    The blocking wait for anything other than one operation's slot (a
+    connection request, an array, a notification, a control message).
+    Between looks at ``ready()`` it sleeps one slice on the worker's event
+    fd (progressing first; cffi releases the GIL), then runs the worker's
+    between-slices hook (AM handlers, notifications, liveness of peers on
+    this host, parked operations) and ``check()``, which raises to end the
+    wait (e.g. ``PeerError`` for a dead peer).  ``poll=True`` busy-polls
+    instead of sleeping (benchmark receivers, as ``ucx_perftest``'s: a
+    sleeping receiver makes a shared-memory sender signal it and wait for
+    it to wake): ``worker.progress()`` after each look, the deadline and
+    ``check()`` every ``POLL_STRIDE`` looks.
+
+    ``timeout`` None waits forever.  When it passes: ``TimeoutError``
+    reading ``f"{what} within {timeout} s"`` if ``what`` is given, otherwise
+    the last ``ready()`` value (false) is returned.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    r = ready()
+    while not r:
+        if deadline is None:
+            ms = _SLICE_MS
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if what is not None:
+                    raise TimeoutError(
+                        f"{what} within {timeout} s", lib.UCS_ERR_TIMED_OUT
+                    )
+                return r
+            ms = min(_SLICE_MS, max(1, int(left * 1000)))
+        if poll:
+            for _ in range(POLL_STRIDE):
+                worker.progress()
+                r = ready()
+                if r:
+                    return r
+        else:
+            lib.gpucx_worker_sleep(worker._h, worker._efd, ms)
+            worker._poll_events()
+        if check is not None:
+            check()
+        r = ready()
+    return r
+
+
+def wait_closing(worker, done: Callable[[], bool], end: float, others=()) -> bool:
+    """The bounded wait of a close that needs its peer to progress: until
+    ``done()`` or ``time.monotonic()`` passes ``end``.
+
+    The peer may be another worker of this process (tests, pipelines):
+    each round progresses the ``others`` too, then sleeps at most 1 ms on
+    ``worker`` (without its event fd while others are progressed: their
+    events would not wake it).  No Python handlers run.  True when done.
+    """
+    efd = -1 if others else worker._efd
+    while not done():
+        if time.monotonic() >= end:
+            return False
+        for other in others:
+            if other._h is not None:
+                lib.ucp_worker_progress(other._h)
+        lib.gpucx_worker_sleep(worker._h, efd, 1)
+    return True
 
 
 def settle(worker_h, reqs, end: float) -> bool:

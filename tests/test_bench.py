@@ -298,18 +298,18 @@ def test_c_rma_stream_moves_the_data(pair, tls, get, window):
     target = np.full(size, 3, np.uint8)
     local = np.full(size, 9, np.uint8) if not get else np.zeros(size, np.uint8)
     memh = ffi.new("ucp_mem_h *")
+    addr, length, mtype = ffi.new("uint64_t *"), ffi.new("size_t *"), ffi.new("int *")
     rkey_buf = ffi.new("void **")
     rkey_len = ffi.new("size_t *")
     rkey = ffi.new("ucp_rkey_h *")
     ctx = pair.ctx
-    assert (
-        lib.gpucx_bench_map(
-            ctx._h, ffi.from_buffer(target), size, memh, rkey_buf, rkey_len
-        )
-        == lib.UCS_OK
+    st = lib.gpucx_mem_map(
+        ctx._h, ffi.from_buffer(target), size, HOST, 0, 0, memh, addr, length, mtype
     )
+    assert st == lib.UCS_OK
     try:
-        assert lib.gpucx_bench_rkey_unpack(pair.ab._h, rkey_buf[0], rkey) == 0
+        assert lib.gpucx_rkey_pack(ctx._h, memh[0], rkey_buf, rkey_len) == 0
+        assert lib.gpucx_rkey_unpack(pair.ab._h, rkey_buf[0], rkey) == 0
         stop = threading.Event()
         t = threading.Thread(
             target=lambda: [pair.b.progress() for _ in iter(stop.is_set, True)]
@@ -338,14 +338,14 @@ def test_c_rma_stream_moves_the_data(pair, tls, get, window):
             t.join(30)
         assert st == lib.UCS_OK and out[0] > 0
         assert (target == 9).all() if not get else (local == 3).all()
-        lib.gpucx_bench_rkey_destroy(rkey[0])
+        lib.gpucx_rkey_destroy(rkey[0])
     finally:
-        lib.gpucx_bench_rkey_buffer_release(rkey_buf[0])
-        assert lib.gpucx_bench_unmap(ctx._h, memh[0]) == lib.UCS_OK
+        lib.gpucx_free(rkey_buf[0])
+        assert lib.gpucx_mem_unmap(ctx._h, memh[0]) == lib.UCS_OK
 
 
 def test_rkey_handle_only_takes_rkeys():
-    from gpucx.bench.suites import rkey_handle
+    from gpucx._internal import rkey_handle
 
     class Fake:
         _h = ffi.new("int *")

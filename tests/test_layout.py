@@ -108,3 +108,127 @@ def test_info_lives_beside_the_cli() -> None:
 
     assert gpucx.bench.info is gpucx.info
     assert not (ROOT / "bench" / "info.py").read_text().count("def ")
+
+
+# -- layers talk through named internal interfaces ------------------------------
+
+# Packages built on the core that must reach its objects' private state only
+# through gpucx._internal (or public API).
+_ABOVE_THE_CORE = ("bench",)
+
+
+def _core_private_names() -> set[str]:
+    """Private attribute and method names the core's classes own: assigned
+    as ``self._x`` or defined as ``def _x`` in a class, outside the packages
+    above the core and outside gpucx._internal."""
+    names: set[str] = set()
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in _ABOVE_THE_CORE + ("dask",) or rel.name == "_internal.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                        names.add(item.name)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reaches(path: pathlib.Path, private: set[str]) -> list[str]:
+    """``obj._x`` (obj not self/cls) and ``getattr(obj, "_x")`` in a file,
+    for the names in ``private``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        name = None
+        if isinstance(node, ast.Attribute):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            name = node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+        ):
+            name = node.args[1].value
+        if name in private:
+            out.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_core_private_names_are_found() -> None:
+    # The reader must see the handles and bookkeeping the rule is about.
+    private = _core_private_names()
+    assert {"_h", "_efd", "_park", "_abandon", "_pending", "_keep"} <= private
+
+
+@pytest.mark.parametrize("package", _ABOVE_THE_CORE)
+def test_no_private_reaches_above_the_core(package: str) -> None:
+    private = _core_private_names()
+    found = [
+        hit
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for hit in _private_reaches(path, private)
+    ]
+    assert not found, (
+        "use gpucx._internal (or public API) instead of private attributes of "
+        "core objects:\n" + "\n".join(found)
+    )
+
+
+def test_remote_key_asks_through_the_internal_interface() -> None:
+    # RemoteKey learns what still uses it from gpucx._internal, not by
+    # walking the worker's pending set itself.
+    text = (ROOT / "mem" / "remote.py").read_text()
+    assert "._pending" not in text and "pending_holding(" in text
+
+
+def test_reach_finder_sees_a_reach(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "class B:\n"
+        "    def f(self, w):\n"
+        "        return w._h, getattr(w, '_efd'), self._h, w._own\n"
+    )
+    hits = _private_reaches(bad, {"_h", "_efd"})
+    assert [h.rpartition(": ")[2] for h in hits] == ["w._h", "getattr(w, '_efd')"]
+
+
+# -- one wait loop ----------------------------------------------------------------
+
+# The C calls that sleep on a worker's event fd, and where they may be called:
+# gpucx.request holds the waits (block, wait_for, wait_closing, settle,
+# abandon); gpucx.aio is the event-loop driver, whose progress thread sleeps
+# on the fd by design.  ``time.sleep`` is not for the core at all (the
+# benchmark's process management and Dask's own retries are not worker waits).
+_SLEEPS = {"gpucx_worker_sleep", "gpucx_wait_sleep"}
+_MAY_SLEEP = {"gpucx.request", "gpucx.aio"}
+
+
+def test_one_module_sleeps_on_the_worker() -> None:
+    found = []
+    for name, path in _modules().items():
+        if name in _MAY_SLEEP:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in _SLEEPS:
+                found.append(f"{name}:{node.lineno}: {node.attr}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr == "sleep"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "time"
+                and not name.startswith(("gpucx.bench.", "gpucx.dask."))
+            ):
+                found.append(f"{name}:{node.lineno}: time.sleep")
+    assert not found, "wait through gpucx.request (wait_for, block...):\n" + "\n".join(
+        found
+    )

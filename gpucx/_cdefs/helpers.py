@@ -46,10 +46,6 @@ typedef struct gpucx_qstat {
     uint64_t dropped_bytes;
 } gpucx_qstat_t;
 
-static const unsigned GPUCX_HEADERS_MAJOR;
-static const unsigned GPUCX_HEADERS_MINOR;
-static const unsigned GPUCX_ERRQ_CAPACITY;
-static const unsigned GPUCX_CONNQ_CAPACITY;
 """
 
 FUNCTIONS = """

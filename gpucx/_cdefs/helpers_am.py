@@ -33,7 +33,6 @@ typedef struct gpucx_am_group {
     ...;
 } gpucx_am_group_t;
 
-static const unsigned GPUCX_AM_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV;
 static const unsigned GPUCX_AM_SEND_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER;
@@ -58,8 +57,6 @@ ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
                                 const void *buf, size_t len, int memory_type,
                                 unsigned flags, gpucx_slot_t *slot,
                                 uint64_t spin_ns);
-ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc, void *buf,
-                                size_t len, int memory_type, gpucx_slot_t *slot);
 ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                            gpucx_slot_t *slot);
 ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,

@@ -15,7 +15,6 @@ static const int GPUCX_AMO_AND;
 static const int GPUCX_AMO_OR;
 static const int GPUCX_AMO_XOR;
 static const unsigned GPUCX_AMO_REQ_ID;
-static const unsigned GPUCX_AMO_REPLY_ID;
 """
 
 FUNCTIONS = """

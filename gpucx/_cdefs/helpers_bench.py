@@ -23,12 +23,4 @@ ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep, int get,
                                     uint64_t iters, unsigned window,
                                     uint64_t timeout_ns, gpucx_slot_t *slots,
                                     uint64_t *elapsed_ns);
-ucs_status_t gpucx_bench_map(ucp_context_h ctx, void *addr, size_t len,
-                             ucp_mem_h *memh, void **rkey_buf,
-                             size_t *rkey_len);
-void gpucx_bench_rkey_buffer_release(void *rkey_buf);
-ucs_status_t gpucx_bench_unmap(ucp_context_h ctx, ucp_mem_h memh);
-ucs_status_t gpucx_bench_rkey_unpack(ucp_ep_h ep, const void *buf,
-                                     ucp_rkey_h *rkey);
-void gpucx_bench_rkey_destroy(ucp_rkey_h rkey);
 """

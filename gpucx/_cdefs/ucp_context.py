@@ -15,15 +15,11 @@ static const uint64_t UCP_FEATURE_AMO64;
 static const uint64_t UCP_FEATURE_WAKEUP;
 static const uint64_t UCP_FEATURE_STREAM;
 static const uint64_t UCP_FEATURE_AM;
-
-static const int UCP_API_MAJOR;
-static const int UCP_API_MINOR;
 """
 
 FUNCTIONS = """
 void ucp_get_version(unsigned *major_version, unsigned *minor_version,
                      unsigned *release_number);
-const char *ucp_get_version_string(void);
 ucs_status_t ucp_config_modify(ucp_config_t *config, const char *name,
                                const char *value);
 void ucp_config_release(ucp_config_t *config);

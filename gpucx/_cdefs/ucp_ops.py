@@ -20,7 +20,4 @@ typedef struct ucp_dt_iov {
 """
 
 FUNCTIONS = """
-void ucp_request_cancel(ucp_worker_h worker, void *request);
-void ucp_request_free(void *request);
-ucs_status_t ucp_request_check_status(void *request);
 """

@@ -15,6 +15,4 @@ ucs_status_t ucp_worker_arm(ucp_worker_h worker);
 ucs_status_t ucp_worker_signal(ucp_worker_h worker);
 ucs_status_t ucp_worker_fence(ucp_worker_h worker);
 void ucp_listener_destroy(ucp_listener_h listener);
-ucs_status_t ucp_listener_reject(ucp_listener_h listener,
-                                 ucp_conn_request_h conn_request);
 """

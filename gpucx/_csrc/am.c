@@ -108,7 +108,6 @@ static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
     }
 }
 
-static const unsigned GPUCX_AM_FLAG_DATA = UCP_AM_RECV_ATTR_FLAG_DATA;
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
 
 /* The bytes a queued message holds here, for the byte caps: its header

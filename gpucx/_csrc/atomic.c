@@ -74,7 +74,6 @@ static const int GPUCX_AMO_AND   = UCP_ATOMIC_OP_AND;
 static const int GPUCX_AMO_OR    = UCP_ATOMIC_OP_OR;
 static const int GPUCX_AMO_XOR   = UCP_ATOMIC_OP_XOR;
 static const unsigned GPUCX_AMO_REQ_ID   = GPUCX_AMO_REQ_AM_ID;
-static const unsigned GPUCX_AMO_REPLY_ID = GPUCX_AMO_REPLY_AM_ID;
 
 /* ---- exported regions (target side, one table per context) ------------ */
 

@@ -6,6 +6,10 @@
  * measure UCX and gpucx's buffers, not the Python interpreter: one
  * Python->C crossing per measured point, none per message.
  *
+ * The loops post through the shared helpers (gpucx_tag_send/recv in tag.c,
+ * gpucx_put/get in rma.c); the RMA loop's registration and remote keys
+ * come from the product path (gpucx_mem_map, gpucx_rkey_pack/unpack).
+ *
  * Every loop has a deadline.  The caller owns the slot array (and the
  * acknowledgement word): on timeout or failure, pending receives are
  * canceled and drained for a bounded time; whatever UCX still holds then
@@ -37,6 +41,44 @@ static inline ucs_status_t gpucx__bench_wait(gpucx_bench_ctl_t *c,
     }
     gpucx__release(slot);
     return slot->status;
+}
+
+/* Start a run: the clock and the deadline; returns the start time. */
+static inline uint64_t gpucx__bench_start(gpucx_bench_ctl_t *c,
+                                          ucp_worker_h worker,
+                                          uint64_t timeout_ns)
+{
+    uint64_t t0 = gpucx__now_ns();
+
+    c->worker      = worker;
+    c->deadline_ns = t0 + timeout_ns;
+    c->spins       = 0;
+    return t0;
+}
+
+/* Make a window slot free for the next post: wait for its operation if it
+ * is still in flight, release its request, and return its status. */
+static inline ucs_status_t gpucx__bench_reuse(gpucx_bench_ctl_t *c,
+                                              gpucx_slot_t *slot)
+{
+    if (slot->status == UCS_INPROGRESS) {
+        return gpucx__bench_wait(c, slot);
+    }
+    gpucx__release(slot);
+    return slot->status;
+}
+
+/* Wait for the first n slots in turn; the first failure ends the wait. */
+static ucs_status_t gpucx__bench_wait_all(gpucx_bench_ctl_t *c,
+                                          gpucx_slot_t *slots, unsigned n)
+{
+    ucs_status_t st = UCS_OK;
+    unsigned     i;
+
+    for (i = 0; i < n && st == UCS_OK; i++) {
+        st = gpucx__bench_wait(c, &slots[i]);
+    }
+    return st;
 }
 
 /* Cancel pending receives (sends cannot be canceled reliably) and progress
@@ -105,10 +147,7 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
         return UCS_ERR_INVALID_PARAM;
     }
     nslots = window + 1;
-    t0            = gpucx__now_ns();
-    c.worker      = worker;
-    c.deadline_ns = t0 + timeout_ns;
-    c.spins       = 0;
+    t0 = gpucx__bench_start(&c, worker, timeout_ns);
     if (send) {
         /* Pre-post the acknowledgement receive: it is then expected. */
         slots[window].kind = 1;
@@ -122,12 +161,7 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
     for (i = 0; i < iters; i++) {
         gpucx_slot_t *s = &slots[i % window];
 
-        if (s->status == UCS_INPROGRESS) {
-            st = gpucx__bench_wait(&c, s);
-        } else {
-            gpucx__release(s);
-            st = s->status;
-        }
+        st = gpucx__bench_reuse(&c, s);
         if (st != UCS_OK) {
             goto out;
         }
@@ -139,11 +173,9 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
          * transport's queues moving while the window is not full. */
         ucp_worker_progress(worker);
     }
-    for (i = 0; i < window; i++) {
-        st = gpucx__bench_wait(&c, &slots[i]);
-        if (st != UCS_OK) {
-            goto out;
-        }
+    st = gpucx__bench_wait_all(&c, slots, window);
+    if (st != UCS_OK) {
+        goto out;
     }
     if (!send) {
         st = gpucx_tag_send(ep, ack, sizeof(*ack), ack_tag,
@@ -182,10 +214,7 @@ static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
 
     slots[0].kind = 1;
     slots[1].kind = 0;
-    t0            = gpucx__now_ns();
-    c.worker      = worker;
-    c.deadline_ns = t0 + timeout_ns;
-    c.spins       = 0;
+    t0 = gpucx__bench_start(&c, worker, timeout_ns);
     for (i = 0; i < iters; i++) {
         t  = gpucx__now_ns();
         st = gpucx_tag_recv(worker, rbuf, len, tag, UINT64_MAX, rmt, &slots[0]);
@@ -237,46 +266,33 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
                                            gpucx_slot_t *slots,
                                            uint64_t *elapsed_ns)
 {
-    gpucx_bench_ctl_t   c;
-    ucp_request_param_t p;
-    uint64_t            i, t0;
-    ucs_status_t        st = UCS_OK;
-    unsigned            nslots;
+    gpucx_bench_ctl_t c;
+    uint64_t          i, t0;
+    ucs_status_t      st = UCS_OK;
+    unsigned          nslots;
 
     if (window == 0) {
         return UCS_ERR_INVALID_PARAM;
     }
     nslots = window + 1; /* the last slot carries the flush */
-    t0            = gpucx__now_ns();
-    c.worker      = worker;
-    c.deadline_ns = t0 + timeout_ns;
-    c.spins       = 0;
+    t0 = gpucx__bench_start(&c, worker, timeout_ns);
     for (i = 0; i < iters; i++) {
         gpucx_slot_t *s = &slots[i % window];
 
-        if (s->status == UCS_INPROGRESS) {
-            st = gpucx__bench_wait(&c, s);
-        } else {
-            gpucx__release(s);
-            st = s->status;
-        }
+        st = gpucx__bench_reuse(&c, s);
         if (st != UCS_OK) {
             goto out;
         }
-        gpucx__param_init(&p, s, mt);
-        p.cb.send = gpucx__send_cb;
-        st = gpucx__posted(s, get ? ucp_get_nbx(ep, buf, len, remote_addr, rkey, &p)
-                                  : ucp_put_nbx(ep, buf, len, remote_addr, rkey, &p));
+        st = get ? gpucx_get(ep, buf, len, remote_addr, rkey, mt, s)
+                 : gpucx_put(ep, buf, len, remote_addr, rkey, mt, s);
         if (UCS_STATUS_IS_ERR(st)) {
             goto out;
         }
         ucp_worker_progress(worker);
     }
-    for (i = 0; i < window; i++) {
-        st = gpucx__bench_wait(&c, &slots[i]);
-        if (st != UCS_OK) {
-            goto out;
-        }
+    st = gpucx__bench_wait_all(&c, slots, window);
+    if (st != UCS_OK) {
+        goto out;
     }
     st = gpucx_ep_flush(ep, &slots[window]);
     if (UCS_STATUS_IS_ERR(st)) {
@@ -289,51 +305,4 @@ out:
         gpucx__bench_abort(&c, slots, nslots);
     }
     return st;
-}
-
-/* Registration and remote keys for testing the RMA loop on its own (the
- * product path gets them from gpucx's memory-region API).  *rkey_buf is
- * released with gpucx_bench_rkey_buffer_release. */
-static ucs_status_t gpucx_bench_map(ucp_context_h ctx, void *addr, size_t len,
-                                    ucp_mem_h *memh, void **rkey_buf,
-                                    size_t *rkey_len)
-{
-    ucp_mem_map_params_t mp;
-    ucs_status_t         st;
-
-    memset(&mp, 0, sizeof(mp));
-    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
-                    UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-    mp.address    = addr;
-    mp.length     = len;
-    st            = ucp_mem_map(ctx, &mp, memh);
-    if (st != UCS_OK) {
-        return st;
-    }
-    st = ucp_rkey_pack(ctx, *memh, rkey_buf, rkey_len);
-    if (st != UCS_OK) {
-        ucp_mem_unmap(ctx, *memh);
-    }
-    return st;
-}
-
-static void gpucx_bench_rkey_buffer_release(void *rkey_buf)
-{
-    ucp_rkey_buffer_release(rkey_buf);
-}
-
-static ucs_status_t gpucx_bench_unmap(ucp_context_h ctx, ucp_mem_h memh)
-{
-    return ucp_mem_unmap(ctx, memh);
-}
-
-static ucs_status_t gpucx_bench_rkey_unpack(ucp_ep_h ep, const void *buf,
-                                            ucp_rkey_h *rkey)
-{
-    return ucp_ep_rkey_unpack(ep, buf, rkey);
-}
-
-static void gpucx_bench_rkey_destroy(ucp_rkey_h rkey)
-{
-    ucp_rkey_destroy(rkey);
 }

@@ -14,6 +14,7 @@ import traceback
 
 import gpucx
 
+from .._internal import abandon
 from .errors import BenchSetupError
 from .session import BadControlMessage, PeerGone, Session, context_config, quote
 from .suites import DEFAULT_TESTS, TESTS, Params, server_features
@@ -77,7 +78,7 @@ def _finish(sess: Session, ctx, ep) -> None:
     """Close, or abandon after a failed C loop left UCX holding operations
     (see :attr:`Session.tainted`)."""
     if sess.tainted:
-        ctx._abandon("abandoned after a failed benchmark")
+        abandon(ctx, "abandoned after a failed benchmark")
     else:
         ep.close(force=True)
 

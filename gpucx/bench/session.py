@@ -19,7 +19,9 @@ import time
 
 import gpucx
 
+from .._internal import abandon
 from .._lib import lib
+from ..request import wait_for
 from .errors import BenchSetupError
 
 __all__ = [
@@ -41,8 +43,6 @@ ACK_TAG = 0x67707563_00000003
 
 #: Largest control message.
 _CTRL_MAX = 1 << 16
-#: Progress calls between health checks while a wait busy-polls.
-_SPIN_CHECK = 1000
 
 
 def context_config(tls: str | None, listener: bool = False) -> dict | None:
@@ -179,7 +179,7 @@ class Session:
         The receive is posted once and the worker sleeps on its event fd
         between checks of the deadline and of the peer's health, so a
         message is never lost to a cancel.  With ``spin`` it busy-polls
-        instead (checking every ``_SPIN_CHECK`` progress calls), as
+        instead (checking every ``POLL_STRIDE`` progress calls), as
         ``ucx_perftest``'s server does: the side serving one-sided
         operations UCX emulates (RMA over shared memory with peer error
         handling) must progress them at once.
@@ -197,32 +197,26 @@ class Session:
         w = self.worker
         buf = bytearray(_CTRL_MAX)
         req = w.recv_nb(buf, tag=CTRL_TAG)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not req.done():
+
+        def healthy() -> None:
             err = self.ep.error
             if err is not None:
-                req.cancel()
-                raise PeerGone(f"the peer went away ({err})")
-            if self._parent_pid is not None and os.getppid() != self._parent_pid:
-                req.cancel()
-                raise PeerGone("the benchmark client exited")
-            if self._proc is not None and self._proc.poll() is not None:
-                req.cancel()
-                raise PeerGone(
-                    f"the peer process exited with code {self._proc.returncode}"
-                )
-            if deadline is not None and time.monotonic() > deadline:
-                req.cancel()
-                w.progress()
-                raise gpucx.TimeoutError(
-                    f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
-                )
-            if spin:
-                for _ in range(_SPIN_CHECK):
-                    if req.done():  # progresses once when not
-                        break
+                why = f"the peer went away ({err})"
+            elif self._parent_pid is not None and os.getppid() != self._parent_pid:
+                why = "the benchmark client exited"
+            elif self._proc is not None and self._proc.poll() is not None:
+                why = f"the peer process exited with code {self._proc.returncode}"
             else:
-                lib.gpucx_worker_sleep(w._h, w._efd, 100)
+                return
+            req.cancel()
+            raise PeerGone(why)
+
+        if not wait_for(w, req.done, timeout, None, healthy, poll=spin):
+            req.cancel()
+            w.progress()
+            raise gpucx.TimeoutError(
+                f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
+            )
         try:
             info = req.result()
         except gpucx.MessageTruncatedError as exc:
@@ -244,7 +238,7 @@ class Session:
         """Close the endpoint, worker and context (and reap a child peer)."""
         try:
             if self.tainted:
-                self.ctx._abandon("abandoned after a failed benchmark")
+                abandon(self.ctx, "abandoned after a failed benchmark")
             elif self.ep is not None and not self.ep.closed:
                 self.ep.close(force=True)
         finally:

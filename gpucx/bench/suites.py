@@ -21,11 +21,10 @@ import time
 
 import numpy
 
-import gpucx
-
+from .._internal import handle, park, rkey_handle
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
-from ..request import INPROGRESS, raise_status
+from ..request import INPROGRESS, raise_status, wait_for
 from .errors import BenchSetupError
 from .memory import MEMORY_KINDS, alloc
 from .session import ACK_TAG, DATA_TAG, BadControlMessage, quote, reply_field
@@ -237,6 +236,22 @@ class Bench:
             numpy.zeros(1, numpy.uint64), tag=ACK_TAG, timeout=self.p.timeout
         )
 
+    def bw_run(self, phase) -> dict:
+        """The client of a bandwidth test: ``phase(n)`` sends n messages and
+        returns the ns they took; a warm-up phase, then the measured one."""
+        phase(self.p.warmup)
+        return bw_figures(self.p.size, self.p.iters, phase(self.p.iters))
+
+    def serve_phases(self, one) -> None:
+        """The server of a bandwidth test: ``one()`` per message of the
+        warm-up phase, then of the measured one, each acknowledged.  (The
+        client's timed loops stay written out: a call through a callable
+        per message would be part of what they measure.)"""
+        for n in (self.p.warmup, self.p.iters):
+            for _ in range(n):
+                one()
+            self.ack_send()
+
 
 def spin_wait(sess, req, timeout: float):
     """``req.wait(timeout)``, busy-polling the worker all the while.
@@ -249,6 +264,10 @@ def spin_wait(sess, req, timeout: float):
     every 1000 polls: a failed endpoint raises its error (posted receives
     belong to the worker and would not fail), the deadline ends in
     ``req.wait``, which raises.
+
+    Written out rather than through ``request.wait_for(poll=True)``: it is
+    on the measured path of the Python API's receivers, and ``req.done()``
+    progresses itself, so each poll is one progress call, not two.
     """
     end = time.monotonic() + timeout
     ep = sess.ep
@@ -280,7 +299,7 @@ def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
     w = sess.worker
     for i in range(n):
         if slots[i].status == INPROGRESS:
-            w._park(slots + i, (slots, keep))
+            park(w, slots + i, (slots, keep))
             sess.tainted = True
     raise_status(st, what, sess.ep)
 
@@ -308,8 +327,8 @@ class TagLat(Bench):
         rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
         slots = c_slots(2)
         st = lib.gpucx_bench_tag_pingpong(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             initiator,
             sp,
             smt,
@@ -374,8 +393,8 @@ class TagBw(Bench):
         slots = c_slots(nslots)
         ack = ffi.new("uint64_t *")
         st = lib.gpucx_bench_tag_stream(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             send,
             bp,
             n,
@@ -425,8 +444,7 @@ class TagBw(Bench):
 
     def run(self, extra: dict) -> dict:
         self.buf = self.buffer(1)
-        self._loop(1, self.p.warmup)
-        return bw_figures(self.p.size, self.p.iters, self._loop(1, self.p.iters))
+        return self.bw_run(lambda n: self._loop(1, n))
 
 
 # -- active messages ------------------------------------------------------------
@@ -440,14 +458,9 @@ class _AmBase(Bench):
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
 
     def _take(self):
-        w = self.s.worker
-        end = time.monotonic() + self.p.timeout
-        while not self.inbox:
-            w.progress()
-            if time.monotonic() > end:
-                raise gpucx.TimeoutError(
-                    f"bench {self.name}: no active message for {self.p.timeout} s"
-                )
+        # Busy-polls like ucx_perftest's receiver (see spin_wait).
+        what = f"bench {self.name}: no active message"
+        wait_for(self.s.worker, lambda: self.inbox, self.p.timeout, what, poll=True)
         msg = self.inbox.pop(0)
         if msg.is_rndv:
             msg.receive_into(self.rbuf).wait(self.p.timeout)
@@ -517,10 +530,7 @@ class AmBw(_AmBase):
 
     def serve(self) -> None:
         if self.mem == "cuda":
-            for n in (self.p.warmup, self.p.iters):
-                for _ in range(n):
-                    self._take()
-                self.ack_send()
+            self.serve_phases(self._take)
             return
         for nxt in (self.p.iters, 0):
             for req in self.posted:
@@ -549,8 +559,7 @@ class AmBw(_AmBase):
 
     def run(self, extra: dict) -> dict:
         self.sbuf = self.buffer(1)
-        self._phase(self.p.warmup)
-        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+        return self.bw_run(self._phase)
 
 
 # -- stream -----------------------------------------------------------------------
@@ -569,10 +578,7 @@ class StreamBw(Bench):
 
     def serve(self) -> None:
         ep, t = self.s.ep, self.p.timeout
-        for n in (self.p.warmup, self.p.iters):
-            for _ in range(n):
-                ep.stream_recv(self.rbuf, timeout=t)
-            self.ack_send()
+        self.serve_phases(lambda: ep.stream_recv(self.rbuf, timeout=t))
 
     def _phase(self, n: int) -> int:
         ep = self.s.ep
@@ -584,8 +590,7 @@ class StreamBw(Bench):
 
     def run(self, extra: dict) -> dict:
         self.sbuf = self.buffer(1)
-        self._phase(self.p.warmup)
-        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+        return self.bw_run(self._phase)
 
 
 # -- RMA and atomics ------------------------------------------------------------
@@ -634,19 +639,6 @@ class _RmaBase(Bench):
         raise NotImplementedError
 
 
-def rkey_handle(rmem):
-    """The ``ucp_rkey_h`` of a RemoteKey, when it exposes one as ``_h``.
-
-    The RMA bandwidth tests then run their loop in C
-    (``gpucx_bench_rma_stream``); otherwise they post from Python.
-    """
-    h = getattr(rmem, "_h", None)
-    try:
-        return h if ffi.typeof(h) is ffi.typeof("ucp_rkey_h") else None
-    except TypeError:
-        return None
-
-
 class _RmaBw(_RmaBase):
     kind = "bw"
     latency_note = "time per message"
@@ -659,8 +651,8 @@ class _RmaBw(_RmaBase):
         nslots = self.p.window + 1
         slots = c_slots(nslots)
         st = lib.gpucx_bench_rma_stream(
-            self.s.worker._h,
-            self.s.ep._h,
+            handle(self.s.worker),
+            handle(self.s.ep),
             self.get,
             ptr,
             nbytes,
@@ -733,8 +725,7 @@ class _RmaBw(_RmaBase):
 
     def measure(self, rmem) -> dict:
         self.local = self.buffer(1)
-        self._phase(rmem, self.p.warmup)
-        return bw_figures(self.p.size, self.p.iters, self._phase(rmem, self.p.iters))
+        return self.bw_run(lambda n: self._phase(rmem, n))
 
 
 class PutBw(_RmaBw):
@@ -808,10 +799,7 @@ class ArrayBw(Bench):
 
     def serve(self) -> None:
         ep, t = self.s.ep, self.p.timeout
-        for n in (self.p.warmup, self.p.iters):
-            for _ in range(n):
-                ep.recv_array(timeout=t)
-            self.ack_send()
+        self.serve_phases(lambda: ep.recv_array(timeout=t))
 
     def _phase(self, n: int) -> int:
         ep = self.s.ep
@@ -823,8 +811,7 @@ class ArrayBw(Bench):
 
     def run(self, extra: dict) -> dict:
         self.arr = self.buffer(1)
-        self._phase(self.p.warmup)
-        return bw_figures(self.p.size, self.p.iters, self._phase(self.p.iters))
+        return self.bw_run(self._phase)
 
 
 TESTS: dict[str, type[Bench]] = {

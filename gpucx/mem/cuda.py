@@ -517,6 +517,9 @@ def wait_stream(
         if progress is None:
             drv.event_synchronize(event)
         else:
+            # Not a worker wait (request.wait_for): the caller's progress
+            # callable moves its worker while the GPU finishes; the event
+            # completes on its own, so there is no deadline to keep.
             while not drv.event_query(event):
                 progress()
     except BaseException:

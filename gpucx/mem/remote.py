@@ -38,9 +38,10 @@ import time
 import zlib
 
 from .._handle import Handle, raise_closed, time_left
+from .._internal import defer_to_closing, handle, pending_holding
 from .._lib import ffi, lib
 from ..errors import check
-from ..request import INPROGRESS, settle
+from ..request import settle
 from .memtype import MemoryType
 
 __all__ = ["RemoteMemory", "RemoteKey", "MAGIC", "FORMAT_VERSION"]
@@ -345,39 +346,14 @@ class RemoteKey(Handle):
             raise ValueError(f"{what}: the remote region was exported read-only")
         return self._base + offset
 
-    def _pending_ops(self) -> list:
-        """This key's RMA/atomic requests still in UCX's hands.
-
-        Requests of ``put_nb``/``get_nb``/atomics keep ``(buffer, key, ...)``
-        while pending, those of a prepared transfer ``(buffers, keys, ...)``;
-        the worker tracks every pending request.
-        """
-        out = []
-        for r in self.endpoint._w._pending:
-            keep = r._keep
-            if (
-                type(keep) is tuple
-                and len(keep) > 1
-                and (
-                    keep[1] is self
-                    or (type(keep[1]) is tuple and any(k is self for k in keep[1]))
-                )
-                and r._slot.status == INPROGRESS
-            ):
-                out.append(r)
-        return out
-
     def _release(self) -> None:
-        pending = self._pending_ops()
         ep = self.endpoint
-        w = ep._w
-        if pending and w._h is not None:
-            if ep._closing:
-                # The endpoint is closing: it completes or cancels these
-                # operations first, then destroys the key.
-                ep._late_rkeys.append(self._h)
+        wh = handle(ep.worker)
+        pending = pending_holding(ep.worker, self)
+        if pending and wh is not None:
+            if defer_to_closing(ep, self._h):
                 return
-            if not settle(w._h, pending, time.monotonic() + time_left(self._deadline)):
+            if not settle(wh, pending, time.monotonic() + time_left(self._deadline)):
                 # UCX may still read the key: never free it under UCX.
                 return
         lib.gpucx_rkey_destroy(self._h)

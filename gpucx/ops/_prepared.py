@@ -1,14 +1,16 @@
 """What prepared batches share (:class:`~gpucx.Transfer`, :class:`AmBatch`):
 the closed state, ``len()``, the with-statement, and the checks and CUDA
-door around one run."""
+door around one run, and what a run's status becomes."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .._handle import raise_closed
+from .._lib import ffi
 from ..errors import ClosedError
 from ..mem import cuda as _cuda
+from ..request import Request, _new_settled, _Settled, finish
 
 
 class Prepared:
@@ -72,3 +74,19 @@ class Prepared:
             return run(*args)
         with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, what):
             return run(*args)
+
+    def _request(self, st: int, op, keep, what: str) -> Request:
+        """The request of a run posted with status ``st`` (``run_nb``):
+        settled when every item finished at the post, else tracked on the
+        run's own slot (``op.slot``), holding ``keep`` until it completes."""
+        if st == 0:
+            return _new_settled(_Settled)
+        ep = self.endpoint
+        return Request(ep._w, ffi.addressof(op, "slot"), keep, what, None, ep)
+
+    def _finish(self, st: int, op, keep, what: str, timeout) -> None:
+        """Complete a blocking run posted with status ``st`` (``run``): wait
+        while it is pending, raise its first error."""
+        if st:
+            ep = self.endpoint
+            finish(ep._w, ffi.addressof(op, "slot"), st, timeout, what, ep, keep)

@@ -487,18 +487,23 @@ def set_am_handler(worker, am_id: int, handler) -> None:
     am = worker._am
     if not am.enabled:
         _no_am()
+    _install(am, am_id, handler)
+    if am_id in am.recv_ids:
+        # With a handler, kept messages move to the dispatch queue for it;
+        # without one, the id's messages are kept for receives again.
+        lib.gpucx_am_set_keep(am.regs[am_id], 1 if handler is None else 0)
+
+
+def _install(am, am_id: int, handler) -> None:
+    """Set the Python handler of ``am_id``, registering the C callback with
+    UCX on first use, or remove it (``None``).  The C callback then stays
+    installed: messages already on their way are dropped with a warning at
+    dispatch rather than silently by UCX."""
     if handler is None:
-        # The C callback stays installed: messages already on their way are
-        # dropped with a warning at dispatch rather than silently by UCX.
         am.handlers.pop(am_id, None)
-        if am_id in am.recv_ids:
-            lib.gpucx_am_set_keep(am.regs[am_id], 1)
         return
     check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
     am.handlers[am_id] = handler
-    if am_id in am.recv_ids:
-        # Kept messages move to the dispatch queue, for this handler.
-        lib.gpucx_am_set_keep(am.regs[am_id], 0)
 
 
 def _no_am():
@@ -527,11 +532,7 @@ def set_internal_handler(worker, am_id: int, handler) -> None:
     am = worker._am
     if not am.enabled:
         _no_am()
-    if handler is None:
-        am.handlers.pop(am_id, None)
-        return
-    check(_register(am, am_id), "ucp_worker_set_am_recv_handler")
-    am.handlers[am_id] = handler
+    _install(am, am_id, handler)
 
 
 def send_internal_nb(ep, am_id: int, buf, header=b"", *, reply=False) -> Request:

@@ -19,7 +19,7 @@ from ..errors import UCXError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import HOST_INT as _HOST
-from ..request import Request, _new_settled, _Settled, finish
+from ..request import Request
 from . import am as _am
 from ._prepared import Prepared
 
@@ -208,16 +208,7 @@ class AmBatch(Prepared):
             A ``stream`` without a CUDA driver.
         """
         st, op = self._post(stream, 0)
-        if st == 0:
-            return _new_settled(_Settled)
-        return Request(
-            self.endpoint._w,
-            ffi.addressof(op, "slot"),
-            (self._keep, self._items, op),
-            _WHAT,
-            None,
-            self.endpoint,
-        )
+        return self._request(st, op, (self._keep, self._items, op), _WHAT)
 
     def run(self, timeout=None, *, stream=None) -> None:
         """Send every message and wait until all completed locally (see
@@ -235,13 +226,4 @@ class AmBatch(Prepared):
             As for :meth:`run_nb`, before anything is sent.
         """
         st, op = self._post(stream, self.endpoint._w._spin_ns)
-        if st:
-            finish(
-                self.endpoint._w,
-                ffi.addressof(op, "slot"),
-                st,
-                timeout,
-                _WHAT,
-                self.endpoint,
-                (self._keep, self._items, op),
-            )
+        self._finish(st, op, (self._keep, self._items, op), _WHAT, timeout)

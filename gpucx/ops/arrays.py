@@ -37,7 +37,7 @@ from ..mem.buffer import as_buffer
 from ..mem.memtype import CUDA_INTS as _CUDA_INTS
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
-from ..request import slice_ms
+from ..request import wait_for
 from . import am as _am
 
 __all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
@@ -464,21 +464,20 @@ def recv_array(
     limit = _limit(w, max_bytes)
     q = w._am.arrays
     key = int(ffi.cast("uintptr_t", ep._h))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    pending = q.get(key)
-    while not pending:
-        w.progress()
-        pending = q.get(key)
-        if pending:
-            break
-        ms = slice_ms(deadline, timeout, "recv_array: no array arrived")
-        lib.gpucx_worker_sleep(w._h, w._efd, ms)
-        w._poll_events()  # AM handlers, and liveness of a peer on this host
+
+    def alive() -> None:
         if ep._h is None:
             raise_closed(ep)  # gpucx found the peer dead: PeerError
         if ep._state.error != lib.UCS_OK:
             raise ep.error  # UCX reported the peer failed (PeerError)
-        pending = q.get(key)
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = q.get(key)
+    if not pending:
+        w.progress()  # runs the AM dispatch: what already arrived is queued
+        pending = wait_for(
+            w, lambda: q.get(key), timeout, "recv_array: no array arrived", alive
+        )
     am = w._am
     msg = pending[0]
     nbytes = msg.nbytes

@@ -20,8 +20,6 @@ sees anything.
 
 from __future__ import annotations
 
-import time
-
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
@@ -32,12 +30,11 @@ from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
     Request,
-    _new_settled,
-    _Settled,
     finish,
     new_slot,
     posted,
     raise_status,
+    wait_for,
 )
 from ._prepared import Prepared
 
@@ -62,7 +59,6 @@ NOTIFY_MAX = lib.GPUCX_NOTIFY_MAX_LEN
 
 _PUT = "put"
 _GET = "get"
-_SLICE_MS = 100
 
 
 def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
@@ -197,13 +193,7 @@ def put(
     if notify is not None:
         put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
         return
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    post = lib.gpucx_put_wait
-    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _PUT)
+    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -220,18 +210,11 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     ValueError, TypeError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`put`, before anything is posted.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _PUT, True)
-    w = ep._w
-    if notify is not None:
-        note = _notify_bytes(notify, w)
     if notify is None:
-        return _post_nb(
-            ep, h, lib.gpucx_put, ptr, n, raddr, rkey, mt, stream, keep, _PUT
-        )
+        return _post_nb(ep, lib.gpucx_put, buf, rkey, offset, stream, _PUT)
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
+    w = ep._w
+    note = _notify_bytes(notify, w)
     op = ffi.new("gpucx_notify_op_t *")
     if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
@@ -262,18 +245,26 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
+    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET)
+
+
+def _checked(ep, buf, rkey, offset, stream, what: str):
+    """The checks of a put or a get, before UCX sees anything: the endpoint
+    handle, the local buffer (written by a get) and the remote address
+    inside the key's region: ``(h, ptr, n, mt, keep, raddr)``."""
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    post = lib.gpucx_get_wait
-    _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, _GET)
+    is_get = what == _GET
+    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
+    return h, ptr, n, mt, keep, raddr
 
 
-def _post_wait(ep, h, post, ptr, n, raddr, rkey, mt, stream, keep, timeout, what):
+def _post_wait(ep, post, buf, rkey, offset, stream, timeout, what: str) -> None:
     """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
     ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
@@ -299,17 +290,13 @@ def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
     ValueError, BufferError, TypeError, gpucx.ClosedError
         As for :func:`get`, before anything is posted.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    raddr = _key(rkey)._target(ep, offset, n, _GET, False)
-    return _post_nb(ep, h, lib.gpucx_get, ptr, n, raddr, rkey, mt, stream, keep, _GET)
+    return _post_nb(ep, lib.gpucx_get, buf, rkey, offset, stream, _GET)
 
 
-def _post_nb(ep, h, post, ptr, n: int, raddr, rkey, mt: int, stream, keep, what):
+def _post_nb(ep, post, buf, rkey, offset, stream, what: str) -> Request:
     """Post a put or a get (``post``: ``gpucx_put`` or ``gpucx_get``) and
     return its request: the shared body of :func:`put_nb` and :func:`get_nb`."""
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, what)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
@@ -529,16 +516,8 @@ class Transfer(Prepared):
             a CUDA driver.
         """
         st, op, note = self._post(notify, stream, 0)
-        if st == 0:
-            return _new_settled(_Settled)
-        return Request(
-            self.endpoint._w,
-            ffi.addressof(op, "slot"),
-            (self._keep, self._keys, op, note),
-            f"{self.kind} transfer",
-            None,
-            self.endpoint,
-        )
+        keep = (self._keep, self._keys, op, note)
+        return self._request(st, op, keep, f"{self.kind} transfer")
 
     def run(self, timeout=None, *, notify=None, stream=None) -> None:
         """Post every entry and wait until all completed (see :meth:`run_nb`).
@@ -555,16 +534,8 @@ class Transfer(Prepared):
             As for :meth:`run_nb`, before anything is posted.
         """
         st, op, note = self._post(notify, stream, self.endpoint._w._spin_ns)
-        if st:
-            finish(
-                self.endpoint._w,
-                ffi.addressof(op, "slot"),
-                st,
-                timeout,
-                f"{self.kind} transfer",
-                self.endpoint,
-                (self._keep, self._keys, op, note),
-            )
+        keep = (self._keep, self._keys, op, note)
+        self._finish(st, op, keep, f"{self.kind} transfer", timeout)
 
 
 def _entry(ep, w, what: str, is_get: bool, entry):
@@ -654,14 +625,10 @@ def notifications(worker, timeout: float | None = None) -> list:
     if timeout is None or timeout <= 0:
         lib.ucp_worker_progress(h)
     elif not lib.gpucx_notify_wait(h, q, worker._spin_ns):
-        deadline = time.monotonic() + timeout
-        while q.stat.count == 0:
-            worker._poll_events()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ms = min(_SLICE_MS, max(1, int(left * 1000)))
-            lib.gpucx_worker_sleep(h, worker._efd, ms)
+        # Spun in C for the worker's GPUCX_SPIN_US first (the fast path: one
+        # crossing, no Python per progress call), then sleep in slices.
+        worker._poll_events()
+        wait_for(worker, lambda: q.stat.count, timeout)
     out = []
     item = _pop_notification(worker)
     while item is not None:

@@ -33,6 +33,37 @@ def _sync_slot(w):
     return new_slot() if w._multi else w._sslot
 
 
+def _fresh_slot(w):
+    return new_slot()
+
+
+def _open(ep):
+    """The endpoint's UCX handle and worker; refuses a closed endpoint and a
+    context without the stream feature."""
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    w = ep._w
+    if "stream" not in w._context.features:
+        _no_stream(ep)
+    return h, w
+
+
+def _post(w, ptr, mt: int, stream, what: str, post, take=_sync_slot):
+    """Take a slot and run ``post(slot)``; return ``(slot, status)``.
+
+    CUDA memory, or a ``stream`` to wait for, goes through the CUDA door;
+    the slot is taken inside it, since waiting for the stream progresses
+    the worker and a handler run meanwhile may take the shared slot.
+    """
+    if mt == _HOST and stream is None:
+        slot = take(w)
+        return slot, post(slot)
+    with _cuda.door(w, ptr, mt, stream, what):
+        slot = take(w)
+        return slot, post(slot)
+
+
 def _no_stream(ep):
     # UCX crashes on stream calls of a context made without the feature.
     raise UnsupportedError(
@@ -64,20 +95,16 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    if "stream" not in ep._w._context.features:
-        _no_stream(ep)
-    w = ep._w
+    h, w = _open(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    if mt == _HOST and stream is None:
-        slot = _sync_slot(w)
-        st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
-    else:
-        with _cuda.door(w, ptr, mt, stream, _SEND):
-            slot = _sync_slot(w)
-            st = lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
+    slot, st = _post(
+        w,
+        ptr,
+        mt,
+        stream,
+        _SEND,
+        lambda s: lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, s, w._spin_ns),
+    )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
 
@@ -102,20 +129,11 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    if "stream" not in ep._w._context.features:
-        _no_stream(ep)
+    h, w = _open(ep)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    w = ep._w
-    if mt == _HOST and stream is None:
-        slot = _sync_slot(w)
-        st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
-    else:
-        with _cuda.door(w, ptr, mt, stream, _SEND):
-            slot = _sync_slot(w)
-            st = lib.gpucx_stream_send(h, ptr, n, mt, slot)
+    slot, st = _post(
+        w, ptr, mt, stream, _SEND, lambda s: lib.gpucx_stream_send(h, ptr, n, mt, s)
+    )
     return posted(w, slot, st, keep, _SEND, ep)
 
 
@@ -143,33 +161,25 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    if "stream" not in ep._w._context.features:
-        _no_stream(ep)
-    w = ep._w
+    h, w = _open(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
-    if mt == _HOST and stream is None:
-        slot, st = _recv(w, h, ptr, n, mt, timeout, keep)
-    else:
-        with _cuda.door(w, ptr, mt, stream, _RECV):
-            slot, st = _recv(w, h, ptr, n, mt, timeout, keep)
+    slot, st = _post(
+        w, ptr, mt, stream, _RECV, lambda s: _recv(w, h, ptr, n, mt, timeout, keep, s)
+    )
     if st:
         raise_status(st, _RECV, ep, slot, n)
     return slot.length
 
 
-def _recv(w, h, ptr, n: int, mt: int, timeout, keep):
-    """Post a stream receive and wait for it: (slot, status)."""
-    slot = _sync_slot(w)
+def _recv(w, h, ptr, n: int, mt: int, timeout, keep, slot) -> int:
+    """Post a stream receive into ``slot`` and wait for it; its status."""
     if timeout is None:
         st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
     else:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     if st == INPROGRESS:
         st = block(w, slot, timeout, keep)
-    return slot, st
+    return st
 
 
 def stream_recv_nb(ep, buf, *, stream=None) -> Request:
@@ -192,16 +202,15 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    if "stream" not in ep._w._context.features:
-        _no_stream(ep)
+    h, w = _open(ep)
     ptr, n, mt, keep = acquire(buf, True, stream)
-    slot = new_slot()
-    if mt == _HOST and stream is None:
-        lib.gpucx_stream_recv(h, ptr, n, mt, slot)
-    else:
-        with _cuda.door(ep._w, ptr, mt, stream, _RECV):
-            lib.gpucx_stream_recv(h, ptr, n, mt, slot)
-    return Request(ep._w, slot, keep, _RECV, _length, ep, n)
+    slot, _ = _post(
+        w,
+        ptr,
+        mt,
+        stream,
+        _RECV,
+        lambda s: lib.gpucx_stream_recv(h, ptr, n, mt, s),
+        _fresh_slot,
+    )
+    return Request(w, slot, keep, _RECV, _length, ep, n)

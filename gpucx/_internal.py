@@ -1,0 +1,96 @@
+"""The internal interface between gpucx's layers (not public API).
+
+Core objects (``Context``, ``Worker``, ``Endpoint``, ``RemoteKey``,
+``MemoryRegion``, ``Request``) keep their UCX handles and bookkeeping in
+private attributes that belong to the module defining them.  Code in another
+layer that needs one of them (the benchmark package ``gpucx.bench``, which
+runs its timing loops in C on the core's handles, and the memory layer,
+which asks its endpoint's worker what is still in flight) goes through the
+functions here: each crossing has a name, a docstring and one place to
+change, and ``tests/test_layout.py`` checks that ``gpucx.bench`` touches no
+private attribute of a core object except through this module.
+
+This module imports only ``_lib`` and the request constants, so every layer
+may use it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._lib import ffi
+from .request import INPROGRESS
+
+__all__ = [
+    "handle",
+    "rkey_handle",
+    "park",
+    "abandon",
+    "pending_holding",
+    "defer_to_closing",
+]
+
+
+def handle(obj: Any) -> Any:
+    """The UCX handle of a core object (``ucp_worker_h`` of a Worker,
+    ``ucp_ep_h`` of an Endpoint, ``ucp_context_h`` of a Context,
+    ``ucp_rkey_h`` of a RemoteKey), or ``None`` once it is closed.
+
+    For C loops that take the handle directly (``gpucx/_csrc/bench.c``);
+    the caller checks ``None`` (or has checked the object is open)."""
+    return obj._h
+
+
+def rkey_handle(rmem: Any) -> Any:
+    """The ``ucp_rkey_h`` of a RemoteKey, or ``None`` for any other object
+    (a stand-in without a UCX key): callers then take the Python path."""
+    h = getattr(rmem, "_h", None)
+    try:
+        return h if ffi.typeof(h) is ffi.typeof("ucp_rkey_h") else None
+    except TypeError:
+        return None
+
+
+def park(worker: Any, slot: Any, keep: Any) -> None:
+    """Leave a completion slot that UCX still holds (and ``keep``, what it
+    writes into) with the worker, which settles it when it closes."""
+    worker._park(slot, keep)
+
+
+def abandon(obj: Any, reason: str) -> None:
+    """Forget the UCX handles of ``obj`` and its children without calling
+    UCX (a forked child, or a benchmark that left UCX holding operations
+    it cannot cancel); later use raises ``ClosedError`` naming ``reason``."""
+    obj._abandon(reason)
+
+
+def pending_holding(worker: Any, obj: Any) -> list:
+    """The worker's requests still in UCX's hands that keep ``obj``.
+
+    RMA and atomic requests keep ``(buffer, key, ...)`` while pending, those
+    of a prepared transfer ``(buffers, keys, ...)``: a key is held when it
+    is the second item, or one of the second item's items."""
+    out = []
+    for r in worker._pending:
+        keep = r._keep
+        if (
+            type(keep) is tuple
+            and len(keep) > 1
+            and (
+                keep[1] is obj
+                or (type(keep[1]) is tuple and any(k is obj for k in keep[1]))
+            )
+            and r._slot.status == INPROGRESS
+        ):
+            out.append(r)
+    return out
+
+
+def defer_to_closing(ep: Any, rkey: Any) -> bool:
+    """Hand the ``ucp_rkey_h`` ``rkey`` to its endpoint when the endpoint is
+    closing: it completes or cancels its operations first, then destroys
+    the key.  False (nothing taken) when the endpoint is not closing."""
+    if not ep._closing:
+        return False
+    ep._late_rkeys.append(rkey)
+    return True
