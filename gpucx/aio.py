@@ -61,6 +61,11 @@ class _Driver:
         self._waiters: dict[Request, asyncio.Future] = {}
         self._accepts: list = []  # (listener, future, error_handling)
         self._canceled: set[Request] = set()  # canceled, not yet reported
+        # Endpoints someone awaits the end of (Endpoint.wait_closed).
+        # (Weak: an endpoint nobody refers to any more is not kept alive.)
+        self._closers: weakref.WeakKeyDictionary[Any, asyncio.Future] = (
+            weakref.WeakKeyDictionary()
+        )
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
         self._efd = worker.fileno()
@@ -95,8 +100,12 @@ class _Driver:
         for _, fut, _ in self._accepts:
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
+        for ep, fut in list(self._closers.items()):
+            if not fut.done():  # closed with its worker
+                fut.set_result(ep.error)
         self._waiters.clear()
         self._accepts.clear()
+        self._closers.clear()
 
     # -- the progress engine ------------------------------------------------
 
@@ -135,7 +144,12 @@ class _Driver:
         worker has peers on this host: a dead shared-memory peer produces no
         event on the fd, only gpucx's liveness check notices it."""
         w = self._worker
-        if self._timer is None and w._watched and w._peer_interval > 0:
+        if (
+            self._timer is None
+            and w._watched
+            and w._peer_interval > 0
+            and (self._waiters or self._accepts or self._closers)
+        ):
             self._timer = self._loop.call_later(w._peer_interval, self._on_timer)
 
     def _on_timer(self) -> None:
@@ -143,10 +157,11 @@ class _Driver:
         if not self._attached:
             return
         self._run()
-        if self._waiters or self._accepts:
-            self._arm_timer()
+        self._arm_timer()
 
     def _settle(self) -> None:
+        if self._closers:
+            self._settle_closers()
         if self._canceled:
             # (A settled request's slot may already serve another message.)
             done = [
@@ -185,6 +200,32 @@ class _Driver:
                 if ep is not None:
                     self._accepts.remove(item)
                     fut.set_result(ep)
+
+    def _settle_closers(self) -> None:
+        """Resolve the ``wait_closed`` futures of endpoints that failed
+        (UCX's error callback or gpucx's liveness check set their error
+        status, both seen here after progress) or were closed."""
+        ok = lib.UCS_OK
+        done = [
+            ep
+            for ep, fut in list(self._closers.items())
+            if ep._h is None or ep._state.error != ok or fut.done()
+        ]
+        for ep in done:
+            fut = self._closers.pop(ep)
+            if not fut.done():
+                fut.set_result(ep.error)
+
+    def closed_future(self, ep) -> asyncio.Future:
+        """The future that ``Endpoint.wait_closed`` awaits for ``ep``."""
+        fut = self._closers.get(ep)
+        if fut is None or fut.cancelled():
+            fut = self._closers[ep] = self._loop.create_future()
+            if ep._h is None or ep._state.error != lib.UCS_OK:
+                self._settle_closers()
+            else:
+                self._arm_timer()
+        return fut
 
     # -- waiting ------------------------------------------------------------
 
@@ -287,15 +328,39 @@ class Endpoint:
             raise_closed(ep)
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
+    async def wait_closed(self):
+        """Wait until the endpoint fails or is closed; return why.
+
+        Resolves as soon as UCX reports the endpoint's failure (a TCP
+        reset, a broken connection-manager link, keepalive), gpucx's
+        liveness check finds the peer process on this host dead (the way
+        a dead shared-memory peer is noticed; ``GPUCX_PEER_CHECK_INTERVAL``),
+        or the endpoint or its worker is closed here.  The worker needs no
+        other pending operation for that: while something awaits this, the
+        driver keeps checking.
+
+        Returns
+        -------
+        gpucx.UCXError or None
+            The endpoint's error (:attr:`gpucx.Endpoint.error`, e.g. a
+            :class:`~gpucx.PeerError`), or None when it was closed here
+            without one.  Nothing is raised, so several tasks may await it.
+            Cancelling one awaiting task does not affect the others.
+        """
+        fut = self._drv.closed_future(self._ep)
+        return await asyncio.shield(fut)
+
     def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
         self._ep.close(force=force, timeout=timeout)
+        if self._drv._closers:
+            self._drv._settle_closers()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._ep.close()
+        self.close()
 
 
 class Listener:

@@ -22,6 +22,7 @@ from dask.utils import parse_bytes, parse_timedelta
 import gpucx
 import gpucx.aio
 
+from ._buffers import ReceiveCache
 from ._framing import Limits
 
 #: The active-message id a client's HELLO travels on (the only AM the comm
@@ -60,6 +61,9 @@ class Settings(NamedTuple):
     limits: Limits
     ctrl_cap: int
     data_endpoints: bool
+    receive_cache: int
+    receive_cache_min: int
+    receive_cache_ttl: float
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -94,10 +98,24 @@ def settings() -> Settings:
     ct = parse_timedelta(cfg["connect-timeout"], "s")
     cl = parse_timedelta(cfg["close-timeout"], "s")
     inline = parse_bytes(cfg["inline-threshold"])
-    if ct is None or ct <= 0 or cl is None or cl < 0 or inline < 0:
+    cache = parse_bytes(cfg["receive-cache"])
+    cache_min = parse_bytes(cfg["receive-cache-min-frame"])
+    ttl = parse_timedelta(cfg["receive-cache-ttl"], "s")
+    if (
+        ct is None
+        or ct <= 0
+        or cl is None
+        or cl < 0
+        or inline < 0
+        or cache < 0
+        or cache_min < 0
+        or ttl is None
+        or ttl <= 0
+    ):
         raise ValueError(
-            "distributed-gpucx: connect-timeout must be > 0, close-timeout and "
-            "inline-threshold >= 0"
+            "distributed-gpucx: connect-timeout and receive-cache-ttl must be "
+            "> 0, close-timeout, inline-threshold, receive-cache and "
+            "receive-cache-min-frame >= 0"
         )
     if cfg["progress"] not in ("event", "poll"):
         raise ValueError(
@@ -120,6 +138,9 @@ def settings() -> Settings:
         limits,
         ctrl_cap,
         bool(cfg["same-host-data-endpoints"]),
+        cache,
+        cache_min,
+        ttl,
     )
 
 
@@ -211,6 +232,22 @@ class LoopWorker:
             self.aw.close(timeout=1.0)
 
 
+_cache: list = []  # [(pid, cap, min, ttl), ReceiveCache]
+
+
+def receive_cache(s: Settings) -> ReceiveCache:
+    """This process's cache of large host receive buffers for settings ``s``
+    (a forked child or another configuration gets a new one)."""
+    key = (os.getpid(), s.receive_cache, s.receive_cache_min, s.receive_cache_ttl)
+    if _cache and _cache[0] == key:
+        return _cache[1]
+    if _cache:
+        _cache[1].clear()
+    cache = ReceiveCache(s.receive_cache, s.receive_cache_min, s.receive_cache_ttl)
+    _cache[:] = [key, cache]
+    return cache
+
+
 def acquire(progress: str) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
@@ -229,6 +266,8 @@ def release(lw: LoopWorker) -> None:
         if _workers.get(lw.loop) is lw:
             del _workers[lw.loop]
         lw.close()
+        if not _workers and _cache:
+            _cache[1].clear()  # no comm left: give the memory back
 
 
 def identity() -> tuple[int, int, bytes, int]:

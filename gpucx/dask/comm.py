@@ -112,6 +112,7 @@ class GpucxComm(Comm):
         self._local_addr = local_addr
         self._peer_addr = peer_addr
         self._ctrl = np.empty(settings.ctrl_cap, "u1")
+        self._cache = rt.receive_cache(settings)
         self._closed = False
         self._broken: str | None = None
         self._recvs: set = set()
@@ -208,6 +209,8 @@ class GpucxComm(Comm):
             ctrl = self._ctrl
             alloc = None
             w = self._w
+            cache = self._cache
+            trim = False
             for size, kind in zip(sizes, kinds, strict=True):
                 if kind == fr.CUDA:
                     if alloc is None:
@@ -215,15 +218,20 @@ class GpucxComm(Comm):
                     buf = alloc(size)
                     if size:
                         _sync_device(buf)
-                else:
+                elif kind == fr.INLINE:
                     buf = np.empty(size, "u1")
-                    if kind == fr.INLINE:
-                        buf[:] = ctrl[off : off + size]
-                        off += size
+                    buf[:] = ctrl[off : off + size]
+                    off += size
                     buf = buf.data
+                else:
+                    buf = cache.get(size)
+                    if size >= cache.min_bytes:
+                        trim = True
                 if size and kind != fr.INLINE:
                     reqs.append(w.recv_nb(buf, self._rtag))
                 frames.append(buf)
+            if trim:
+                cache.schedule_trim(self._lw.loop)
             if reqs:
                 self._recvs.update(reqs)
                 if self._broken is not None:
