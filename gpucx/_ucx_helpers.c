@@ -351,6 +351,20 @@ static ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
     return slot->status;
 }
 
+/* The tail of every fused post-and-wait helper (gpucx_*_wait): a post
+ * that finished at once returns its status, one in flight is progressed
+ * for up to spin_ns (gpucx_wait). */
+static inline ucs_status_t gpucx__wait_posted(ucp_worker_h worker,
+                                              gpucx_slot_t *slot,
+                                              ucs_status_t posted,
+                                              uint64_t spin_ns)
+{
+    if (posted != UCS_INPROGRESS) {
+        return slot->status;
+    }
+    return gpucx_wait(worker, slot, spin_ns);
+}
+
 /* Sleep on the worker's event fd until something happens or timeout_ms pass
  * (-1 = forever), without holding the GIL (cffi releases it).  Returns the
  * number of progress events seen.  Safe to call with efd < 0: then it only

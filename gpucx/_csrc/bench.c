@@ -7,7 +7,7 @@
  * Python->C crossing per measured point, none per message.
  *
  * The loops post through the shared helpers (gpucx_tag_send/recv in tag.c,
- * gpucx_put/get in rma.c); the RMA loop's registration and remote keys
+ * gpucx__rma in rma.c); the RMA loop's registration and remote keys
  * come from the product path (gpucx_mem_map, gpucx_rkey_pack/unpack).
  *
  * Every loop has a deadline.  The caller owns the slot array (and the
@@ -109,16 +109,80 @@ static void gpucx__bench_abort(gpucx_bench_ctl_t *c, gpucx_slot_t *slots,
     }
 }
 
-static inline ucs_status_t gpucx__bench_post(ucp_worker_h w, ucp_ep_h ep,
-                                             int send, void *buf, size_t len,
-                                             uint64_t tag, int mt,
+/* End a run: the time since t0 into *elapsed_ns and, on failure, the
+ * abort above over the run's n slots.  Returns st. */
+static ucs_status_t gpucx__bench_end(gpucx_bench_ctl_t *c, uint64_t t0,
+                                     ucs_status_t st, gpucx_slot_t *slots,
+                                     unsigned n, uint64_t *elapsed_ns)
+{
+    *elapsed_ns = gpucx__now_ns() - t0;
+    if (st != UCS_OK) {
+        gpucx__bench_abort(c, slots, n);
+    }
+    return st;
+}
+
+/* What a window loop posts: tag sends or receives, puts or gets. */
+enum { GPUCX_BENCH_SEND, GPUCX_BENCH_RECV, GPUCX_BENCH_PUT, GPUCX_BENCH_GET };
+
+typedef struct gpucx_bench_op {
+    int        what; /* GPUCX_BENCH_* */
+    ucp_ep_h   ep;
+    void      *buf;
+    size_t     len;
+    int        mt;
+    uint64_t   tag;   /* tag operations */
+    uint64_t   raddr; /* RMA */
+    ucp_rkey_h rkey;  /* RMA */
+} gpucx_bench_op_t;
+
+/* Post one operation of op into slot (receives get kind = 1, for the
+ * abort above). */
+static inline ucs_status_t gpucx__bench_post(gpucx_bench_ctl_t *c,
+                                             const gpucx_bench_op_t *op,
                                              gpucx_slot_t *slot)
 {
-    slot->kind = !send;
-    if (send) {
-        return gpucx_tag_send(ep, buf, len, tag, mt, 0, slot);
+    slot->kind = op->what == GPUCX_BENCH_RECV;
+    switch (op->what) {
+    case GPUCX_BENCH_SEND:
+        return gpucx_tag_send(op->ep, op->buf, op->len, op->tag, op->mt, 0,
+                              slot);
+    case GPUCX_BENCH_RECV:
+        return gpucx_tag_recv(c->worker, op->buf, op->len, op->tag,
+                              UINT64_MAX, op->mt, slot);
+    default:
+        return gpucx__rma(op->ep, op->what == GPUCX_BENCH_GET, op->buf,
+                          op->len, op->raddr, op->rkey, op->mt, slot);
     }
-    return gpucx_tag_recv(w, buf, len, tag, UINT64_MAX, mt, slot);
+}
+
+/* The sliding window of the bandwidth loops: `iters` posts of op, at most
+ * `window` outstanding (a slot is reused as soon as its operation
+ * completed), then wait for all of them. */
+static inline ucs_status_t gpucx__bench_window(gpucx_bench_ctl_t *c,
+                                               const gpucx_bench_op_t *op,
+                                               gpucx_slot_t *slots,
+                                               unsigned window, uint64_t iters)
+{
+    uint64_t     i;
+    ucs_status_t st;
+
+    for (i = 0; i < iters; i++) {
+        gpucx_slot_t *s = &slots[i % window];
+
+        st = gpucx__bench_reuse(c, s);
+        if (st != UCS_OK) {
+            return st;
+        }
+        st = gpucx__bench_post(c, op, s);
+        if (UCS_STATUS_IS_ERR(st)) {
+            return st;
+        }
+        /* Progress once per message, as ucx_perftest does: keeps the
+         * transport's queues moving while the window is not full. */
+        ucp_worker_progress(c->worker);
+    }
+    return gpucx__bench_wait_all(c, slots, window);
 }
 
 /* Bandwidth stream: `iters` sends (send=1) or receives (send=0) of `len`
@@ -138,8 +202,10 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
                                            gpucx_slot_t *slots, uint64_t *ack,
                                            uint64_t *elapsed_ns)
 {
+    gpucx_bench_op_t  op = {send ? GPUCX_BENCH_SEND : GPUCX_BENCH_RECV,
+                            ep, buf, len, mt, tag, 0, NULL};
     gpucx_bench_ctl_t c;
-    uint64_t          i, t0;
+    uint64_t          t0;
     ucs_status_t      st = UCS_OK;
     unsigned          nslots;
 
@@ -158,22 +224,7 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
         }
         st = UCS_OK;
     }
-    for (i = 0; i < iters; i++) {
-        gpucx_slot_t *s = &slots[i % window];
-
-        st = gpucx__bench_reuse(&c, s);
-        if (st != UCS_OK) {
-            goto out;
-        }
-        st = gpucx__bench_post(worker, ep, send, buf, len, tag, mt, s);
-        if (UCS_STATUS_IS_ERR(st)) {
-            goto out;
-        }
-        /* Progress once per message, as ucx_perftest does: keeps the
-         * transport's queues moving while the window is not full. */
-        ucp_worker_progress(worker);
-    }
-    st = gpucx__bench_wait_all(&c, slots, window);
+    st = gpucx__bench_window(&c, &op, slots, window, iters);
     if (st != UCS_OK) {
         goto out;
     }
@@ -186,11 +237,7 @@ static ucs_status_t gpucx_bench_tag_stream(ucp_worker_h worker, ucp_ep_h ep,
     }
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, nslots);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, nslots, elapsed_ns);
 }
 
 /* Ping-pong: the initiator sends `len` bytes from sbuf and receives the
@@ -246,11 +293,7 @@ static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
         }
     }
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, 2);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, 2, elapsed_ns);
 }
 
 /* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between
@@ -266,8 +309,10 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
                                            gpucx_slot_t *slots,
                                            uint64_t *elapsed_ns)
 {
+    gpucx_bench_op_t  op = {get ? GPUCX_BENCH_GET : GPUCX_BENCH_PUT,
+                            ep, buf, len, mt, 0, remote_addr, rkey};
     gpucx_bench_ctl_t c;
-    uint64_t          i, t0;
+    uint64_t          t0;
     ucs_status_t      st = UCS_OK;
     unsigned          nslots;
 
@@ -276,21 +321,7 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
     }
     nslots = window + 1; /* the last slot carries the flush */
     t0 = gpucx__bench_start(&c, worker, timeout_ns);
-    for (i = 0; i < iters; i++) {
-        gpucx_slot_t *s = &slots[i % window];
-
-        st = gpucx__bench_reuse(&c, s);
-        if (st != UCS_OK) {
-            goto out;
-        }
-        st = get ? gpucx_get(ep, buf, len, remote_addr, rkey, mt, s)
-                 : gpucx_put(ep, buf, len, remote_addr, rkey, mt, s);
-        if (UCS_STATUS_IS_ERR(st)) {
-            goto out;
-        }
-        ucp_worker_progress(worker);
-    }
-    st = gpucx__bench_wait_all(&c, slots, window);
+    st = gpucx__bench_window(&c, &op, slots, window, iters);
     if (st != UCS_OK) {
         goto out;
     }
@@ -300,9 +331,5 @@ static ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep,
     }
     st = gpucx__bench_wait(&c, &slots[window]);
 out:
-    *elapsed_ns = gpucx__now_ns() - t0;
-    if (st != UCS_OK) {
-        gpucx__bench_abort(&c, slots, nslots);
-    }
-    return st;
+    return gpucx__bench_end(&c, t0, st, slots, nslots, elapsed_ns);
 }

@@ -32,21 +32,35 @@ static ucs_status_t gpucx_ep_create_address(gpucx_worker_state_t *w,
     return ucp_ep_create(w->worker, &params, &st->ep);
 }
 
+/* The first address of host:port (a stream socket; flags: AI_PASSIVE for
+ * a listener), to free with freeaddrinfo; NULL when it does not resolve. */
+static struct addrinfo *gpucx__resolve(const char *host, uint16_t port,
+                                       int flags)
+{
+    struct addrinfo  hints, *res = NULL;
+    char             service[8];
+
+    memset(&hints, 0, sizeof(hints));
+    hints.ai_family   = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags    = flags;
+    snprintf(service, sizeof(service), "%u", (unsigned)port);
+    if (getaddrinfo(host, service, &hints, &res) != 0) {
+        return NULL;
+    }
+    return res;
+}
+
 static ucs_status_t gpucx_ep_create_sockaddr(gpucx_worker_state_t *w,
                                              const char *host, uint16_t port,
                                              int err_mode_peer,
                                              gpucx_ep_state_t *st)
 {
     ucp_ep_params_t  params;
-    struct addrinfo  hints, *res = NULL;
-    char             service[8];
+    struct addrinfo *res;
     ucs_status_t     status;
 
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family   = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    snprintf(service, sizeof(service), "%u", (unsigned)port);
-    if (getaddrinfo(host, service, &hints, &res) != 0 || res == NULL) {
+    if ((res = gpucx__resolve(host, port, 0)) == NULL) {
         return UCS_ERR_INVALID_ADDR;
     }
     gpucx__ep_params(&params, err_mode_peer, st);
@@ -125,16 +139,10 @@ static ucs_status_t gpucx_listener_create(ucp_worker_h worker, const char *host,
                                           gpucx_listener_state_t *ls)
 {
     ucp_listener_params_t params;
-    struct addrinfo       hints, *res = NULL;
-    char                  service[8];
+    struct addrinfo      *res;
     ucs_status_t          status;
 
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family   = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags    = AI_PASSIVE;
-    snprintf(service, sizeof(service), "%u", (unsigned)port);
-    if (getaddrinfo(host, service, &hints, &res) != 0 || res == NULL) {
+    if ((res = gpucx__resolve(host, port, AI_PASSIVE)) == NULL) {
         return UCS_ERR_INVALID_ADDR;
     }
     memset(ls, 0, sizeof(*ls));

@@ -113,26 +113,32 @@ static void gpucx_rkey_destroy(ucp_rkey_h rkey)
 
 /* ---- put / get --------------------------------------------------------- */
 
-static ucs_status_t gpucx_put(ucp_ep_h ep, const void *buf, size_t len,
-                              uint64_t raddr, ucp_rkey_h rkey, int memory_type,
-                              gpucx_slot_t *slot)
+/* A put (get=0) or a get (get=1) into slot. */
+static inline ucs_status_t gpucx__rma(ucp_ep_h ep, int get, void *buf,
+                                      size_t len, uint64_t raddr,
+                                      ucp_rkey_h rkey, int memory_type,
+                                      gpucx_slot_t *slot)
 {
     ucp_request_param_t p;
 
     gpucx__param_init(&p, slot, memory_type);
     p.cb.send = gpucx__send_cb;
-    return gpucx__posted(slot, ucp_put_nbx(ep, buf, len, raddr, rkey, &p));
+    return gpucx__posted(slot, get ? ucp_get_nbx(ep, buf, len, raddr, rkey, &p)
+                                   : ucp_put_nbx(ep, buf, len, raddr, rkey, &p));
+}
+
+static ucs_status_t gpucx_put(ucp_ep_h ep, const void *buf, size_t len,
+                              uint64_t raddr, ucp_rkey_h rkey, int memory_type,
+                              gpucx_slot_t *slot)
+{
+    return gpucx__rma(ep, 0, (void *)buf, len, raddr, rkey, memory_type, slot);
 }
 
 static ucs_status_t gpucx_get(ucp_ep_h ep, void *buf, size_t len,
                               uint64_t raddr, ucp_rkey_h rkey, int memory_type,
                               gpucx_slot_t *slot)
 {
-    ucp_request_param_t p;
-
-    gpucx__param_init(&p, slot, memory_type);
-    p.cb.send = gpucx__send_cb;
-    return gpucx__posted(slot, ucp_get_nbx(ep, buf, len, raddr, rkey, &p));
+    return gpucx__rma(ep, 1, buf, len, raddr, rkey, memory_type, slot);
 }
 
 /* Blocking API: post and progress in one crossing. */
@@ -141,11 +147,9 @@ static ucs_status_t gpucx_put_wait(ucp_worker_h worker, ucp_ep_h ep,
                                    ucp_rkey_h rkey, int memory_type,
                                    gpucx_slot_t *slot, uint64_t spin_ns)
 {
-    if (gpucx_put(ep, buf, len, raddr, rkey, memory_type, slot) !=
-        UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    return gpucx__wait_posted(
+        worker, slot, gpucx_put(ep, buf, len, raddr, rkey, memory_type, slot),
+        spin_ns);
 }
 
 static ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
@@ -153,11 +157,9 @@ static ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
                                    int memory_type, gpucx_slot_t *slot,
                                    uint64_t spin_ns)
 {
-    if (gpucx_get(ep, buf, len, raddr, rkey, memory_type, slot) !=
-        UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    return gpucx__wait_posted(
+        worker, slot, gpucx_get(ep, buf, len, raddr, rkey, memory_type, slot),
+        spin_ns);
 }
 
 /* ---- put with notify (initiator) --------------------------------------- */

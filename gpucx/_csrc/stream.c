@@ -43,10 +43,9 @@ static ucs_status_t gpucx_stream_send_wait(ucp_worker_h worker, ucp_ep_h ep,
                                            int memory_type, gpucx_slot_t *slot,
                                            uint64_t spin_ns)
 {
-    if (gpucx_stream_send(ep, buf, len, memory_type, slot) != UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    return gpucx__wait_posted(
+        worker, slot, gpucx_stream_send(ep, buf, len, memory_type, slot),
+        spin_ns);
 }
 
 static ucs_status_t gpucx_stream_recv_wait(ucp_worker_h worker, ucp_ep_h ep,
@@ -54,8 +53,7 @@ static ucs_status_t gpucx_stream_recv_wait(ucp_worker_h worker, ucp_ep_h ep,
                                            int memory_type, gpucx_slot_t *slot,
                                            uint64_t spin_ns)
 {
-    if (gpucx_stream_recv(ep, buf, len, memory_type, slot) != UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    return gpucx__wait_posted(
+        worker, slot, gpucx_stream_recv(ep, buf, len, memory_type, slot),
+        spin_ns);
 }

@@ -68,11 +68,9 @@ static ucs_status_t gpucx_tag_send_wait(ucp_worker_h worker, ucp_ep_h ep,
                                         uint64_t tag, int memory_type,
                                         gpucx_slot_t *slot, uint64_t spin_ns)
 {
-    if (gpucx_tag_send(ep, buf, len, tag, memory_type, 0, slot) !=
-        UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    return gpucx__wait_posted(
+        worker, slot, gpucx_tag_send(ep, buf, len, tag, memory_type, 0, slot),
+        spin_ns);
 }
 
 static ucs_status_t gpucx_tag_recv_wait(ucp_worker_h worker, void *buf,
@@ -80,11 +78,9 @@ static ucs_status_t gpucx_tag_recv_wait(ucp_worker_h worker, void *buf,
                                         int memory_type, gpucx_slot_t *slot,
                                         uint64_t spin_ns)
 {
-    if (gpucx_tag_recv(worker, buf, len, tag, mask, memory_type, slot) !=
-        UCS_INPROGRESS) {
-        return slot->status;
-    }
-    return gpucx_wait(worker, slot, spin_ns);
+    ucs_status_t st = gpucx_tag_recv(worker, buf, len, tag, mask, memory_type, slot);
+
+    return gpucx__wait_posted(worker, slot, st, spin_ns);
 }
 
 /* Probe: returns 1 and fills info when a matching message is there.  With
