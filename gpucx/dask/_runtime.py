@@ -32,7 +32,6 @@ HELLO_AM_ID = 0xFE5D
 TAG_PREFIX = 0xD5 << 56
 #: Low byte of a tag: the channel.
 CH_DATA = 0
-CH_SENTINEL = 1
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
 _EARLY_MAX = 1024
 
@@ -49,7 +48,8 @@ ADDRESS_MAX = 4096
 #: listener identity, listener's control buffer size.
 WELCOME = struct.Struct("<4sB3xIQ16sQI")
 WELCOME_MAGIC = b"GXDW"
-PROTOCOL_VERSION = 1
+#: 2: no sentinel send any more (failures come from the endpoint itself).
+PROTOCOL_VERSION = 2
 
 
 class Settings(NamedTuple):
@@ -332,8 +332,8 @@ def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
     single-copy ``cma`` (error-handling endpoints leave shared memory only
     its copy-through-FIFO path).  Its failures are caught by gpucx's
     liveness check of the peer process (the address is framed) and by the
-    connection's sentinel.  None for a peer elsewhere, or when the address
-    is not a gpucx worker address.
+    connection endpoint's ``wait_closed``.  None for a peer elsewhere, or
+    when the address is not a gpucx worker address.
     """
     from gpucx._address import Identity, is_local
 

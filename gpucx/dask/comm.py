@@ -3,15 +3,13 @@
 Wire format: :mod:`gpucx.dask._framing`; handshake and tags:
 :mod:`gpucx.dask._runtime` and ``docs/dask.md``.
 
-Failure detection: right after the handshake each side posts a
-synchronous, never-matched tag send (the *sentinel*) to its peer.  It stays
-pending while the peer lives and fails with ``PeerError`` as soon as the
-endpoint fails (a TCP reset at once; a peer on this host that dies is
-caught by gpucx's liveness check).  A task awaits it and, on failure,
-cancels the comm's posted receives, so every pending and later ``read``
-raises ``CommClosedError`` (tag receives are worker-wide and would not fail
-by themselves).  A comm that closes receives its peer's sentinel, so none
-is left in UCX's unexpected queue.
+Failure detection: a task awaits the connection endpoint's
+:meth:`gpucx.aio.Endpoint.wait_closed`, which returns as soon as the
+endpoint fails (UCX's error callback: a TCP or connection-manager reset at
+once; a peer on this host that dies is caught by gpucx's liveness check).
+It then cancels the comm's posted receives, so every pending and later
+``read`` raises ``CommClosedError`` (tag receives are worker-wide and would
+not fail by themselves).
 """
 
 from __future__ import annotations
@@ -44,6 +42,9 @@ logger = logging.getLogger("gpucx.dask")
 PREFIX = "gpucx://"
 _HOST_TYPES = (bytes, bytearray, memoryview)
 _DEVICE_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
+#: Steps of 5 ms a watch waits for a peer whose connection broke to be gone
+#: from the process table before taking it for alive.
+_DEATH_GRACE_STEPS = 20
 
 
 def _refuse_encryption(connection_args: dict) -> None:
@@ -91,19 +92,20 @@ class GpucxComm(Comm):
         rtag: int,
         stag: int,
         peer_cap: int,
-        sentinel,
         local_addr: str,
         peer_addr: str,
         settings: rt.Settings,
         deserialize: bool = True,
         data_ep=None,
+        peer_proc: tuple[int, int] | None = None,
     ):
         super().__init__(deserialize=deserialize)
         self._lw = lw
         self._ep = ep
         # Messages go over the data endpoint of a peer on this host, else
-        # over the connection's own endpoint (which also carries the sentinel).
+        # over the connection's own endpoint (watched for failure).
         self._dep = data_ep if data_ep is not None else ep
+        self._peer_proc = peer_proc  # (pid, start time) of a peer on this host
         self._w = lw.w
         self._rtag = rtag
         self._stag = stag
@@ -116,9 +118,7 @@ class GpucxComm(Comm):
         self._closed = False
         self._broken: str | None = None
         self._recvs: set = set()
-        self._sentinel = sentinel
         self._released = False
-        self._consumed = False
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
@@ -127,12 +127,25 @@ class GpucxComm(Comm):
     # -- failure detection ----------------------------------------------------
 
     async def _watch_peer(self) -> None:
+        ep = self._ep
+        if ep is None:
+            return
         try:
-            await self._sentinel
+            err = await ep.wait_closed()
+            if err is None:
+                return
+            if self._dep is not ep and self._peer_alive():
+                # The connection broke while the process lives: it closed
+                # its end, or it is dying (the kernel resets its sockets
+                # before the process is gone).  Tell the two apart before
+                # deciding what becomes of the data endpoint.
+                for _ in range(_DEATH_GRACE_STEPS):
+                    await asyncio.sleep(0.005)
+                    if not self._peer_alive():
+                        break
         except asyncio.CancelledError:
             return
-        except Exception as exc:
-            self._peer_failed(f"peer failed: {exc}")
+        self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
         if self._closed or self._broken is not None:
@@ -143,13 +156,24 @@ class GpucxComm(Comm):
         for req in list(self._recvs):
             req.cancel()
         dep = self._dep
-        if dep is not None and dep is not self._ep and dep.endpoint._h is not None:
+        if (
+            dep is not None
+            and dep is not self._ep
+            and dep.endpoint._h is not None
+            and not self._peer_alive()
+        ):
             # No peer error handling there: fail its operations now (UCX
             # would not), as gpucx's liveness check would a moment later.
+            # (A peer that closed its end and lives on gets a flush close.)
             from gpucx import _liveness
 
             _liveness.peer_died(self._w, dep.endpoint, reason)
         self._lw.aw._drv.kick()
+
+    def _peer_alive(self) -> bool:
+        from gpucx._liveness import proc_alive
+
+        return self._peer_proc is not None and proc_alive(*self._peer_proc)
 
     async def _await_frame(self, req) -> None:
         """Await a frame receive, racing the peer's failure: a receive that
@@ -377,23 +401,6 @@ class GpucxComm(Comm):
         except Exception:
             pass
 
-    def _consume_sentinel(self) -> None:
-        """Take the peer's sentinel out of UCX's unexpected queue (its watch
-        then ends quietly); give up at once if it is not there.  Only once
-        the peer knows of the close (our CLOSE went out, it closed, or it
-        failed): the peer must not take a quiet end for a close."""
-        if self._consumed or not (
-            self._close_sent or self._peer_closed or self._broken is not None
-        ):
-            return
-        self._consumed = True
-        try:
-            req = self._w.recv_nb(bytearray(1), self._rtag | rt.CH_SENTINEL)
-            if not req.done():
-                req.cancel()
-        except Exception:  # the worker is gone already
-            pass
-
     def abort(self) -> None:
         """Close at once, without waiting (safe from ``finally`` blocks)."""
         self._closed = True
@@ -410,7 +417,6 @@ class GpucxComm(Comm):
             if self._drain():
                 self._peer_closed = True
             self._send_close()
-            self._consume_sentinel()
             self._ep = None
             dep, self._dep = self._dep, None
             if dep is not ep:
@@ -460,10 +466,10 @@ def _addr(pair) -> str:
     return PREFIX + unparse_host_port(*pair)
 
 
-async def _first(task: asyncio.Future, sentinel, timeout: float, what: str):
-    """Await ``task``, failing early when ``sentinel`` (a pending sync send to
-    the peer) fails: the peer went away mid-handshake."""
-    watch = asyncio.ensure_future(_await(sentinel))
+async def _first(task: asyncio.Future, ep, timeout: float, what: str):
+    """Await ``task``, failing early when endpoint ``ep`` fails: the peer
+    went away mid-handshake."""
+    watch = asyncio.ensure_future(ep.wait_closed())
     try:
         done, _ = await asyncio.wait(
             {task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -474,8 +480,8 @@ async def _first(task: asyncio.Future, sentinel, timeout: float, what: str):
     if task in done:
         return task.result()
     task.cancel()
-    if watch in done and watch.exception() is not None:
-        raise CommClosedError(f"{what}: peer went away ({watch.exception()})")
+    if watch in done:
+        raise CommClosedError(f"{what}: peer went away ({watch.result()})")
     raise CommClosedError(f"{what}: no answer within {timeout} s")
 
 
@@ -517,16 +523,11 @@ class GpucxConnector(Connector):
                 s.ctrl_cap,
             ) + (lw.w.address if s.data_endpoints else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
-            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
             welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
             task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag))
-            try:
-                info = await _first(
-                    task, sentinel, s.connect_timeout, f"gpucx handshake with {address}"
-                )
-            except BaseException:
-                sentinel.cancel()
-                raise
+            info = await _first(
+                task, ep, s.connect_timeout, f"gpucx handshake with {address}"
+            )
             magic, version, ppid, pstart, pboot, pns, peer_cap = rt.WELCOME.unpack_from(
                 welcome
             )
@@ -549,12 +550,12 @@ class GpucxConnector(Connector):
                 rtag,
                 stag,
                 peer_cap,
-                sentinel,
                 local,
                 PREFIX + address,
                 s,
                 deserialize,
                 dep,
+                (ppid, pstart) if dep is not None else None,
             )
             ok = True
             return comm
@@ -630,7 +631,6 @@ class GpucxListener(BaseListener):
         s = self._settings
         lw.refs += 1
         comm = None
-        sentinel = None
         dep = None
         try:
             hello = await asyncio.wait_for(lw.hello_for(ep.endpoint), s.connect_timeout)
@@ -647,7 +647,6 @@ class GpucxListener(BaseListener):
                 or peer_cap < fr.HEADER.size + fr.ENTRY.size
             ):
                 raise fr.FramingError("malformed gpucx:// HELLO")
-            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
             me = rt.identity()
             dep = None
             if s.data_endpoints:
@@ -663,17 +662,15 @@ class GpucxListener(BaseListener):
                 rtag,
                 stag,
                 peer_cap,
-                sentinel,
                 _addr(ep.local_sockaddr),
                 _addr(ep.remote_sockaddr),
                 s,
                 self.deserialize,
                 dep,
+                (pid, start) if dep is not None else None,
             )
             lw.refs += 1  # the comm's own reference
         except BaseException as exc:
-            if sentinel is not None:
-                sentinel.cancel()
             if dep is not None:
                 rt.close_data_endpoint(lw, dep)
             lw.forget(ep.endpoint)
