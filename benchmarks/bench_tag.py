@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import re
-import subprocess
 import sys
 import time
 
+import bench_rma
 import numpy as np
 
 SIZES = [8, 1 << 20, 16 << 20]
@@ -81,38 +79,11 @@ def gpucx_pingpong(config, plan):
     return out, lanes
 
 
-def perftest_bin():
-    import libucx
-
-    root = os.path.dirname(libucx.__file__)
-    return os.path.join(root, "bin", "ucx_perftest"), os.path.join(root, "lib")
-
-
 def perftest(size: int, iters: int, tls: str | None) -> float:
-    exe, libdir = perftest_bin()
-    env = dict(os.environ, LD_LIBRARY_PATH=libdir, UCX_MM_ERROR_HANDLING="y")
-    if tls:
-        env["UCX_TLS"] = tls
-    port = str(13337 + size % 1000)
-    args = ["-t", "tag_lat", "-e", "-s", str(size), "-n", str(iters), "-p", port]
-    server = subprocess.Popen(
-        [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    time.sleep(0.5)
-    try:
-        res = subprocess.run(
-            [exe, "localhost", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        server.wait(30)
-    m = re.search(r"Final:\s+\d+\s+([\d.]+)\s+([\d.]+)", res.stdout)
-    if not m:
-        raise RuntimeError(f"ucx_perftest output not understood:\n{res.stdout}")
-    return float(m.group(2)) * 1e-6  # average one-way latency, seconds
+    """``ucx_perftest -e -t tag_lat``: the average one-way latency, seconds
+    (run by bench_rma.perftest, the one runner of these scripts)."""
+    res = bench_rma.perftest("tag_lat", size, iters, tls or "default", eh=True)
+    return res["avg"] * 1e-6
 
 
 def main(argv=None):

@@ -35,7 +35,6 @@
 #error "gpucx needs UCX >= 1.20 headers (libucx-cu12 >= 1.20)"
 #endif
 
-#define GPUCX_ERRQ_CAP  256
 #define GPUCX_CONNQ_CAP 256
 
 /* ---- records shared with Python --------------------------------------- */
@@ -58,13 +57,6 @@ typedef struct gpucx_ep_state {
     struct gpucx_worker_state *worker;
 } gpucx_ep_state_t;
 
-/* The two rings below have one producer (a UCX callback, inside
- * ucp_worker_progress, which a ProgressThread may run) and one consumer
- * side (Python after progress, maybe several threads of a "multi"
- * worker).  tail is written by the producer only, head by consumers with a
- * CAS; release stores pair with acquire loads on the other side, so an
- * entry is complete before a consumer sees it and taken before the
- * producer reuses it. */
 struct gpucx_amo_emu;
 
 typedef struct gpucx_worker_state {
@@ -72,11 +64,15 @@ typedef struct gpucx_worker_state {
     int                efd;
     /* gpucx's atomics over active messages (atomic.c), or NULL. */
     struct gpucx_amo_emu *amo;
-    unsigned           err_head; /* consumers (CAS) */
-    unsigned           err_tail; /* the producer */
-    gpucx_ep_state_t  *err_q[GPUCX_ERRQ_CAP];
 } gpucx_worker_state_t;
 
+/* The connection-request ring has one producer (the UCX callback, inside
+ * ucp_worker_progress, which a ProgressThread may run) and one consumer
+ * side (Python after progress, maybe several threads of a "multi"
+ * worker).  tail is written by the producer only, head by consumers with a
+ * CAS; release stores pair with acquire loads on the other side, so an
+ * entry is complete before a consumer sees it and taken before the
+ * producer reuses it. */
 typedef struct gpucx_listener_state {
     ucp_listener_h     listener;
     unsigned           head; /* consumers (CAS) */
@@ -217,15 +213,10 @@ static void gpucx__ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
     gpucx_worker_state_t *w  = st->worker;
     /* Emulated atomics still waiting for this peer's reply fail now. */
     gpucx__amo_ep_failed(w->amo, ep, status);
+    /* Python reads it after progress (Endpoint.error, the endpoint's next
+     * operation). */
     if (st->error == UCS_OK) {
         st->error = status;
-    }
-    unsigned tail = w->err_tail; /* only this callback writes it */
-    /* A full ring loses the notice, not the error: st->error is set and
-     * the endpoint's next operation reports it. */
-    if (tail - __atomic_load_n(&w->err_head, __ATOMIC_ACQUIRE) < GPUCX_ERRQ_CAP) {
-        w->err_q[tail % GPUCX_ERRQ_CAP] = st;
-        __atomic_store_n(&w->err_tail, tail + 1, __ATOMIC_RELEASE);
     }
 }
 
@@ -403,6 +394,26 @@ static ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd,
     }
     gpucx__release(slot);
     return slot->status;
+}
+
+/* ---- active-message handlers ------------------------------------------- */
+
+/* Install the receive callback cb (arg) for AM id on worker, or remove it
+ * (cb == NULL).  flags: UCP_AM_FLAG_*. */
+static ucs_status_t gpucx__am_handler(ucp_worker_h worker, unsigned id,
+                                      uint32_t flags, ucp_am_recv_callback_t cb,
+                                      void *arg)
+{
+    ucp_am_handler_param_t p;
+
+    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
+                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+    p.id    = id;
+    p.flags = flags;
+    p.cb    = cb;
+    p.arg   = arg;
+    return ucp_worker_set_am_recv_handler(worker, &p);
 }
 
 /* ---- context ----------------------------------------------------------- */

@@ -85,6 +85,26 @@ class Pair:
         return [r.result() for r in reqs]
 
 
+def pump(pair, cond, timeout=10.0):
+    """Progress both workers of ``pair`` until ``cond()`` is true."""
+    end = time.monotonic() + timeout
+    while not cond():
+        pair.a.progress()
+        pair.b.progress()
+        if time.monotonic() > end:
+            raise AssertionError(f"condition not met after {timeout} s")
+
+
+def check_transports(tls: str, *transport_lists) -> None:
+    """The transports endpoints report (``Endpoint.transports``: lists of
+    ``(name, device)``) belong to the family ``tls`` selected."""
+    names = {t for transports in transport_lists for t, _ in transports}
+    if tls == "tcp":
+        assert names <= {"tcp"}, names
+    if tls == "shm":
+        assert names & {"posix", "sysv"}, names
+
+
 @pytest.fixture
 def pair(ctx):
     return Pair(ctx)

@@ -11,19 +11,9 @@ import pytest
 import gpucx
 from gpucx.ops import am as _am
 
-from conftest import Pair
+from conftest import Pair, check_transports, pump
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def pump(pair, cond, timeout=10.0):
-    """Progress both workers until ``cond()`` is true."""
-    end = time.monotonic() + timeout
-    while not cond():
-        pair.a.progress()
-        pair.b.progress()
-        if time.monotonic() > end:
-            raise AssertionError(f"condition not met after {timeout} s")
 
 
 def collect(worker, am_id):
@@ -399,11 +389,7 @@ def test_am_echo_across_processes(tls, via_listener):
                 assert np.array_equal(out, src)
             q.put(("bye", None))
             _, transports = q.get(60)
-            names = {t for t, _ in transports} | {t for t, _ in ep.transports}
-            if tls == "tcp":
-                assert names <= {"tcp"}, names
-            if tls == "shm":
-                assert names & {"posix", "sysv"}, names
+            check_transports(tls, transports, ep.transports)
             q.put("ok")
     finally:
         join_ok(child, 60)

@@ -22,7 +22,7 @@ import gpucx
 from gpucx.ops import am as _am
 from gpucx.ops import rma as _rma
 
-from conftest import TRANSPORTS, Pair
+from conftest import TRANSPORTS, Pair, pump
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -31,15 +31,6 @@ def _ctx(tls="default", **caps):
     cfg = dict(TRANSPORTS[tls] or {})
     cfg.update({f"GPUCX_{k.upper()}": v for k, v in caps.items()})
     return gpucx.Context(config=cfg)
-
-
-def pump(pair, cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while not cond():
-        pair.a.progress()
-        pair.b.progress()
-        if time.monotonic() > end:
-            raise AssertionError(f"condition not met after {timeout} s")
 
 
 def _drops(record):

@@ -25,8 +25,6 @@ typedef struct gpucx_ep_state {
 struct gpucx_worker_state {
     ucp_worker_h worker;
     int efd;
-    unsigned err_head;
-    unsigned err_tail;
     ...;
 };
 
@@ -70,7 +68,6 @@ ucs_status_t gpucx_worker_create(ucp_context_h ctx, int thread_mode,
                                  int want_efd, gpucx_worker_state_t *st);
 ucs_status_t gpucx_worker_address(ucp_worker_h worker, void **out, size_t *len);
 void gpucx_free(void *p);
-gpucx_ep_state_t *gpucx_worker_pop_error(gpucx_worker_state_t *w);
 ucs_status_t gpucx_worker_flush(ucp_worker_h worker, gpucx_slot_t *slot);
 
 ucs_status_t gpucx_ep_create_address(gpucx_worker_state_t *w,

@@ -350,16 +350,10 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
 /* Install (cb != 0) or remove the C receive callback for reg->id. */
 static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
 {
-    ucp_am_handler_param_t p;
-
-    p.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                   UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                   UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    p.id    = reg->id;
-    p.flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA;
-    p.cb    = install ? gpucx__am_recv_cb : NULL;
-    p.arg   = install ? reg : NULL;
-    return ucp_worker_set_am_recv_handler(reg->state->worker, &p);
+    return gpucx__am_handler(reg->state->worker, reg->id,
+                             UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA,
+                             install ? gpucx__am_recv_cb : NULL,
+                             install ? reg : NULL);
 }
 
 /* Make room for k more posted receives (state lock held). */

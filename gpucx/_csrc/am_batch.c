@@ -68,10 +68,9 @@ static ucs_status_t gpucx_am_batch_run(ucp_worker_h worker, ucp_ep_h ep,
                                        size_t count, unsigned flags,
                                        gpucx_notify_op_t *op, uint64_t spin_ns)
 {
-    if (gpucx_am_batch_post(ep, id, header, header_length, items, count,
-                            flags, op) != UCS_INPROGRESS ||
-        spin_ns == 0) {
-        return op->slot.status;
-    }
-    return gpucx_wait(worker, &op->slot, spin_ns);
+    ucs_status_t st = gpucx_am_batch_post(ep, id, header, header_length,
+                                          items, count, flags, op);
+
+    return spin_ns ? gpucx__wait_posted(worker, &op->slot, st, spin_ns)
+                   : op->slot.status;
 }

@@ -420,23 +420,6 @@ static ucs_status_t gpucx__amo_reply_cb(void *arg, const void *header,
     return UCS_OK;
 }
 
-static ucs_status_t gpucx__amo_set_handler(ucp_worker_h worker, unsigned id,
-                                           ucp_am_recv_callback_t cb,
-                                           void *arg)
-{
-    ucp_am_handler_param_t params;
-
-    params.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                        UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                        UCP_AM_HANDLER_PARAM_FIELD_CB |
-                        UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    params.id    = id;
-    params.flags = UCP_AM_FLAG_WHOLE_MSG;
-    params.cb    = cb;
-    params.arg   = arg;
-    return ucp_worker_set_am_recv_handler(worker, &params);
-}
-
 /* Install both handlers on a worker whose context has the "am" feature;
  * ws->amo stays NULL (emulation unavailable) otherwise. */
 static ucs_status_t gpucx_amo_worker_init(gpucx_worker_state_t *ws,
@@ -458,11 +441,11 @@ static ucs_status_t gpucx_amo_worker_init(gpucx_worker_state_t *ws,
     /* A sequence start no peer can guess from the outside. */
     e->next_seq = gpucx__now_ns() ^ ((uint64_t)(uintptr_t)e << 16);
     pthread_mutex_init(&e->lock, NULL);
-    status = gpucx__amo_set_handler(ws->worker, GPUCX_AMO_REQ_AM_ID,
-                                    gpucx__amo_req_cb, e);
+    status = gpucx__am_handler(ws->worker, GPUCX_AMO_REQ_AM_ID,
+                               UCP_AM_FLAG_WHOLE_MSG, gpucx__amo_req_cb, e);
     if (status == UCS_OK) {
-        status = gpucx__amo_set_handler(ws->worker, GPUCX_AMO_REPLY_AM_ID,
-                                        gpucx__amo_reply_cb, e);
+        status = gpucx__am_handler(ws->worker, GPUCX_AMO_REPLY_AM_ID,
+                                   UCP_AM_FLAG_WHOLE_MSG, gpucx__amo_reply_cb, e);
     }
     if (status != UCS_OK) {
         pthread_mutex_destroy(&e->lock);

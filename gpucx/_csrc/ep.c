@@ -180,7 +180,10 @@ static ucp_conn_request_h gpucx_listener_pop(gpucx_listener_state_t *ls)
     ucp_conn_request_h req;
     unsigned           head = __atomic_load_n(&ls->head, __ATOMIC_ACQUIRE);
 
-    do { /* several consumers: see gpucx_worker_pop_error */
+    /* Consumers may be several Python threads (cffi drops the GIL): the
+     * entry read before a successful CAS was not reused meanwhile, since
+     * the producer reuses it only after head moved past it. */
+    do {
         if (head == __atomic_load_n(&ls->tail, __ATOMIC_ACQUIRE)) {
             return NULL;
         }

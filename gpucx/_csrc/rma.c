@@ -370,12 +370,11 @@ static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
                                    const void *notify, size_t notify_len,
                                    gpucx_notify_op_t *op, uint64_t spin_ns)
 {
-    if (gpucx_xfer_post(ep, is_get, items, count, do_notify, notify,
-                        notify_len, op) != UCS_INPROGRESS ||
-        spin_ns == 0) {
-        return op->slot.status;
-    }
-    return gpucx_wait(worker, &op->slot, spin_ns);
+    ucs_status_t st = gpucx_xfer_post(ep, is_get, items, count, do_notify,
+                                      notify, notify_len, op);
+
+    return spin_ns ? gpucx__wait_posted(worker, &op->slot, st, spin_ns)
+                   : op->slot.status;
 }
 
 /* ---- notifications (owner) --------------------------------------------- */
@@ -474,17 +473,8 @@ static void gpucx_notify_stats(gpucx_notify_q_t *q, gpucx_qstat_t *out)
 
 static ucs_status_t gpucx_notify_init(ucp_worker_h worker, gpucx_notify_q_t *q)
 {
-    ucp_am_handler_param_t params;
-
-    params.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID |
-                        UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
-                        UCP_AM_HANDLER_PARAM_FIELD_CB |
-                        UCP_AM_HANDLER_PARAM_FIELD_ARG;
-    params.id    = GPUCX_NOTIFY_AM_ID;
-    params.flags = UCP_AM_FLAG_WHOLE_MSG;
-    params.cb    = gpucx__notify_am_cb;
-    params.arg   = q;
-    return ucp_worker_set_am_recv_handler(worker, &params);
+    return gpucx__am_handler(worker, GPUCX_NOTIFY_AM_ID, UCP_AM_FLAG_WHOLE_MSG,
+                             gpucx__notify_am_cb, q);
 }
 
 /* Pop the oldest notification (the caller frees it with gpucx_free). */

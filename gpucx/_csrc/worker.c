@@ -55,25 +55,6 @@ static void gpucx_free(void *p)
     free(p);
 }
 
-/* Pop one failed endpoint from the worker's error ring, or NULL. */
-static gpucx_ep_state_t *gpucx_worker_pop_error(gpucx_worker_state_t *w)
-{
-    gpucx_ep_state_t *st;
-    unsigned          head = __atomic_load_n(&w->err_head, __ATOMIC_ACQUIRE);
-
-    /* Consumers may be several Python threads (cffi drops the GIL): the
-     * entry read before a successful CAS was not reused meanwhile, since
-     * the producer reuses it only after head moved past it. */
-    do {
-        if (head == __atomic_load_n(&w->err_tail, __ATOMIC_ACQUIRE)) {
-            return NULL;
-        }
-        st = w->err_q[head % GPUCX_ERRQ_CAP];
-    } while (!__atomic_compare_exchange_n(&w->err_head, &head, head + 1, 0,
-                                          __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE));
-    return st;
-}
-
 static ucs_status_t gpucx_worker_flush(ucp_worker_h worker, gpucx_slot_t *slot)
 {
     ucp_request_param_t p;
