@@ -30,8 +30,12 @@ from ._framing import Limits
 HELLO_AM_ID = 0xFE5D
 #: Top byte of every tag the comm uses (the rest is random per connection).
 TAG_PREFIX = 0xD5 << 56
-#: Low byte of a tag: the channel.
+#: Low byte of a tag: the channel.  The WELCOME has a channel of its own:
+#: it travels over the connection's endpoint while the listener's first
+#: messages may take the data endpoint, and UCX orders messages only within
+#: one endpoint.
 CH_DATA = 0
+CH_WELCOME = 1
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
 _EARLY_MAX = 1024
 
@@ -44,11 +48,12 @@ HELLO_MAGIC = b"GXDH"
 #: most this many bytes): the peer on the same host then opens a data
 #: endpoint to it (see ``data_endpoint``).
 ADDRESS_MAX = 4096
-#: WELCOME (listener -> client, tag server->client): magic, version,
+#: WELCOME (listener -> client, tag server->client | CH_WELCOME): magic, version,
 #: listener identity, listener's control buffer size.
 WELCOME = struct.Struct("<4sB3xIQ16sQI")
 WELCOME_MAGIC = b"GXDW"
-#: 2: no sentinel send any more (failures come from the endpoint itself).
+#: 2: no sentinel send any more (failures come from the endpoint itself);
+#: the WELCOME on its own channel.
 PROTOCOL_VERSION = 2
 
 
