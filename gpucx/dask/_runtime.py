@@ -69,6 +69,7 @@ class Settings(NamedTuple):
     receive_cache: int
     receive_cache_min: int
     receive_cache_ttl: float
+    spin_us: float
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -106,6 +107,7 @@ def settings() -> Settings:
     cache = parse_bytes(cfg["receive-cache"])
     cache_min = parse_bytes(cfg["receive-cache-min-frame"])
     ttl = parse_timedelta(cfg["receive-cache-ttl"], "s")
+    spin = parse_timedelta(cfg["spin"], "s")
     if (
         ct is None
         or ct <= 0
@@ -116,11 +118,13 @@ def settings() -> Settings:
         or cache_min < 0
         or ttl is None
         or ttl <= 0
+        or spin is None
+        or spin < 0
     ):
         raise ValueError(
             "distributed-gpucx: connect-timeout and receive-cache-ttl must be "
-            "> 0, close-timeout, inline-threshold, receive-cache and "
-            "receive-cache-min-frame >= 0"
+            "> 0, close-timeout, inline-threshold, receive-cache, "
+            "receive-cache-min-frame and spin >= 0"
         )
     if cfg["progress"] not in ("event", "poll"):
         raise ValueError(
@@ -146,6 +150,7 @@ def settings() -> Settings:
         cache,
         cache_min,
         ttl,
+        round(spin * 1e6, 3),
     )
 
 
@@ -187,9 +192,9 @@ def context() -> gpucx.Context:
 class LoopWorker:
     """The gpucx worker of one event loop, shared by its comms and listeners."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str):
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, spin_us: float):
         self.loop = loop
-        self.aw = gpucx.aio.Worker(context(), progress=progress)
+        self.aw = gpucx.aio.Worker(context(), progress=progress, spin_us=spin_us)
         self.w = self.aw.worker
         self.refs = 0
         self.parked: list = []  # data endpoints closed once idle
@@ -253,12 +258,12 @@ def receive_cache(s: Settings) -> ReceiveCache:
     return cache
 
 
-def acquire(progress: str) -> LoopWorker:
+def acquire(s: Settings) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
     lw = _workers.get(loop)
     if lw is None or lw.w._h is None:
-        lw = LoopWorker(loop, progress)
+        lw = LoopWorker(loop, s.progress, s.spin_us)
         _workers[loop] = lw
     lw.refs += 1
     return lw

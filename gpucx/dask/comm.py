@@ -522,7 +522,7 @@ class GpucxConnector(Connector):
         s = rt.settings()
         host, port = parse_host_port(address)
         ip = ensure_ip(host)
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         ep = None
         ok = False
         try:
@@ -624,7 +624,7 @@ class GpucxListener(BaseListener):
         """Listen and start accepting."""
         s = rt.settings()
         self._settings = s
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         try:
             self._lst = lw.aw.listen(self.port, self.ip or "0.0.0.0")
         except BaseException:
