@@ -295,3 +295,35 @@ def test_wait_closed_on_local_close(ctx):
         a.close()
 
     run(main())
+
+
+def test_spin_is_configurable_and_adapts(ctx):
+    """``spin_us`` sets the busy-poll before parking; spins that miss halve
+    the next down to none (with a full-length probe every few awaits), one
+    that sees its completion restores it."""
+
+    async def main():
+        with pytest.raises(ValueError, match="spin_us"):
+            gpucx.aio.Worker(ctx, spin_us=-1)
+        a = gpucx.aio.Worker(ctx, spin_us=100)
+        b = gpucx.aio.Worker(ctx, spin_us=0)
+        drv = a._drv
+        assert drv._spin_ns == 100_000 and b._drv._spin_ns == 0
+        assert b._drv._spin_len() == 0
+        ep = b.connect(a.address)
+        for n in range(3):  # nothing comes within the spin: it shrinks
+            task = asyncio.ensure_future(a.arecv(bytearray(8), tag=n))
+            await asyncio.sleep(0)
+            await ep.asend(b"x" * 8, tag=n)
+            await task
+        assert drv._spin_cur == 100_000 >> 3
+        while drv._spin_cur:
+            drv._spin_done(drv._spin_len(), False)
+        lengths = [drv._spin_len() for _ in range(gpucx.aio._SPIN_PROBE_EVERY)]
+        assert lengths[-1] == 100_000 and not any(lengths[:-1])  # one probe
+        drv._spin_done(lengths[-1], True)
+        assert drv._spin_len() == 100_000
+        b.close()
+        a.close()
+
+    run(main())

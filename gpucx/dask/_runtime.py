@@ -30,8 +30,12 @@ from ._framing import Limits
 HELLO_AM_ID = 0xFE5D
 #: Top byte of every tag the comm uses (the rest is random per connection).
 TAG_PREFIX = 0xD5 << 56
-#: Low byte of a tag: the channel.
+#: Low byte of a tag: the channel.  The WELCOME has a channel of its own:
+#: it travels over the connection's endpoint while the listener's first
+#: messages may take the data endpoint, and UCX orders messages only within
+#: one endpoint.
 CH_DATA = 0
+CH_WELCOME = 1
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
 _EARLY_MAX = 1024
 
@@ -44,11 +48,12 @@ HELLO_MAGIC = b"GXDH"
 #: most this many bytes): the peer on the same host then opens a data
 #: endpoint to it (see ``data_endpoint``).
 ADDRESS_MAX = 4096
-#: WELCOME (listener -> client, tag server->client): magic, version,
+#: WELCOME (listener -> client, tag server->client | CH_WELCOME): magic, version,
 #: listener identity, listener's control buffer size.
 WELCOME = struct.Struct("<4sB3xIQ16sQI")
 WELCOME_MAGIC = b"GXDW"
-#: 2: no sentinel send any more (failures come from the endpoint itself).
+#: 2: no sentinel send any more (failures come from the endpoint itself);
+#: the WELCOME on its own channel.
 PROTOCOL_VERSION = 2
 
 
@@ -64,6 +69,7 @@ class Settings(NamedTuple):
     receive_cache: int
     receive_cache_min: int
     receive_cache_ttl: float
+    spin_us: float
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -101,6 +107,7 @@ def settings() -> Settings:
     cache = parse_bytes(cfg["receive-cache"])
     cache_min = parse_bytes(cfg["receive-cache-min-frame"])
     ttl = parse_timedelta(cfg["receive-cache-ttl"], "s")
+    spin = parse_timedelta(cfg["spin"], "s")
     if (
         ct is None
         or ct <= 0
@@ -111,11 +118,13 @@ def settings() -> Settings:
         or cache_min < 0
         or ttl is None
         or ttl <= 0
+        or spin is None
+        or spin < 0
     ):
         raise ValueError(
             "distributed-gpucx: connect-timeout and receive-cache-ttl must be "
-            "> 0, close-timeout, inline-threshold, receive-cache and "
-            "receive-cache-min-frame >= 0"
+            "> 0, close-timeout, inline-threshold, receive-cache, "
+            "receive-cache-min-frame and spin >= 0"
         )
     if cfg["progress"] not in ("event", "poll"):
         raise ValueError(
@@ -141,6 +150,7 @@ def settings() -> Settings:
         cache,
         cache_min,
         ttl,
+        round(spin * 1e6, 3),
     )
 
 
@@ -182,9 +192,9 @@ def context() -> gpucx.Context:
 class LoopWorker:
     """The gpucx worker of one event loop, shared by its comms and listeners."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str):
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, spin_us: float):
         self.loop = loop
-        self.aw = gpucx.aio.Worker(context(), progress=progress)
+        self.aw = gpucx.aio.Worker(context(), progress=progress, spin_us=spin_us)
         self.w = self.aw.worker
         self.refs = 0
         self.parked: list = []  # data endpoints closed once idle
@@ -248,12 +258,12 @@ def receive_cache(s: Settings) -> ReceiveCache:
     return cache
 
 
-def acquire(progress: str) -> LoopWorker:
+def acquire(s: Settings) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
     lw = _workers.get(loop)
     if lw is None or lw.w._h is None:
-        lw = LoopWorker(loop, progress)
+        lw = LoopWorker(loop, s.progress, s.spin_us)
         _workers[loop] = lw
     lw.refs += 1
     return lw

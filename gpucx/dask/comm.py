@@ -42,8 +42,8 @@ logger = logging.getLogger("gpucx.dask")
 PREFIX = "gpucx://"
 _HOST_TYPES = (bytes, bytearray, memoryview)
 _DEVICE_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
-#: Steps of 5 ms a watch waits for a peer whose connection broke to be gone
-#: from the process table before taking it for alive.
+#: Steps of 5 ms to wait for a peer whose connection broke to be gone from
+#: the process table before taking it for alive.
 _DEATH_GRACE_STEPS = 20
 
 
@@ -119,6 +119,7 @@ class GpucxComm(Comm):
         self._broken: str | None = None
         self._recvs: set = set()
         self._released = False
+        self._dep_handed = False  # the data endpoint went to _settle_data_endpoint
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
@@ -132,19 +133,22 @@ class GpucxComm(Comm):
             return
         try:
             err = await ep.wait_closed()
-            if err is None:
-                return
-            if self._dep is not ep and self._peer_alive():
-                # The connection broke while the process lives: it closed
-                # its end, or it is dying (the kernel resets its sockets
-                # before the process is gone).  Tell the two apart before
-                # deciding what becomes of the data endpoint.
-                for _ in range(_DEATH_GRACE_STEPS):
-                    await asyncio.sleep(0.005)
-                    if not self._peer_alive():
-                        break
         except asyncio.CancelledError:
             return
+        if err is None or self._closed or self._broken is not None:
+            return
+        dep = self._dep
+        if dep is not ep and self._peer_alive():
+            # The connection broke while the process lives: it closed its
+            # end, or it is dying (the kernel resets a dying process's
+            # sockets before it leaves the process table).  The comm fails
+            # now; the data endpoint goes to a task that tells the two
+            # apart (it holds the worker meanwhile).
+            self._dep_handed = True
+            self._lw.refs += 1
+            asyncio.ensure_future(
+                _settle_data_endpoint(self._lw, dep, self._peer_proc, str(err))
+            )
         self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
@@ -159,12 +163,11 @@ class GpucxComm(Comm):
         if (
             dep is not None
             and dep is not self._ep
+            and not self._dep_handed
             and dep.endpoint._h is not None
-            and not self._peer_alive()
         ):
             # No peer error handling there: fail its operations now (UCX
             # would not), as gpucx's liveness check would a moment later.
-            # (A peer that closed its end and lives on gets a flush close.)
             from gpucx import _liveness
 
             _liveness.peer_died(self._w, dep.endpoint, reason)
@@ -419,7 +422,7 @@ class GpucxComm(Comm):
             self._send_close()
             self._ep = None
             dep, self._dep = self._dep, None
-            if dep is not ep:
+            if dep is not ep and not self._dep_handed:
                 rt.close_data_endpoint(self._lw, dep)
             try:
                 ep.close(force=True)
@@ -460,6 +463,28 @@ class GpucxComm(Comm):
         return {}
 
 
+async def _settle_data_endpoint(lw: rt.LoopWorker, dep, peer_proc, reason: str):
+    """Fail (peer died) or flush-close (peer lives on) the data endpoint of
+    a comm whose connection broke while the peer process still ran; then
+    drop the worker reference the comm took for this task."""
+    from gpucx import _liveness
+
+    try:
+        alive = True
+        for _ in range(_DEATH_GRACE_STEPS):
+            if not _liveness.proc_alive(*peer_proc):
+                alive = False
+                break
+            await asyncio.sleep(0.005)
+        if not alive and dep.endpoint._h is not None:
+            _liveness.peer_died(lw.w, dep.endpoint, f"peer failed: {reason}")
+            lw.aw._drv.kick()
+    finally:
+        if lw.w._h is not None:
+            rt.close_data_endpoint(lw, dep)
+        rt.release(lw)
+
+
 def _addr(pair) -> str:
     if pair is None:
         return ""
@@ -497,7 +522,7 @@ class GpucxConnector(Connector):
         s = rt.settings()
         host, port = parse_host_port(address)
         ip = ensure_ip(host)
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         ep = None
         ok = False
         try:
@@ -524,7 +549,7 @@ class GpucxConnector(Connector):
             ) + (lw.w.address if s.data_endpoints else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
             welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
-            task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag))
+            task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag | rt.CH_WELCOME))
             info = await _first(
                 task, ep, s.connect_timeout, f"gpucx handshake with {address}"
             )
@@ -599,7 +624,7 @@ class GpucxListener(BaseListener):
         """Listen and start accepting."""
         s = rt.settings()
         self._settings = s
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         try:
             self._lst = lw.aw.listen(self.port, self.ip or "0.0.0.0")
         except BaseException:
@@ -654,7 +679,7 @@ class GpucxListener(BaseListener):
             welcome = rt.WELCOME.pack(
                 rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
             ) + (lw.w.address if dep is not None else b"")
-            await ep.asend(welcome, stag)
+            await ep.asend(welcome, stag | rt.CH_WELCOME)
             rt.watch_peer(lw, ep, pid, start, boot, ns)
             comm = GpucxComm(
                 lw,
