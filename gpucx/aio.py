@@ -207,6 +207,9 @@ class _Driver:
                 if fut.done():
                     self._accepts.remove(item)
                     continue
+                ls = listener._state
+                if listener._h is not None and ls.head == ls.tail:
+                    continue  # no connection request queued
                 try:
                     ep = listener._try_accept(error_handling)
                 except Exception as exc:
