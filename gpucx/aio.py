@@ -46,9 +46,9 @@ _SPIN_NS = {"event": 50_000, "poll": 200_000}
 #: Adaptive spin: a spin that ends without the completion halves the next
 #: one (below 1 us it stops); a spin that sees the completion restores the
 #: full length.  Spinning at 0 probes with the full length every this many
-#: awaits.  On a machine with a free core for the peer a reply within the
-#: spin saves the wake-up; where the peer needs this core, spinning only
-#: delays it, the spins fail and stop.
+#: awaits (a missed probe leaves it at 0).  On a machine with a free core
+#: for the peer a reply within the spin saves the wake-up; where the peer
+#: needs this core, spinning only delays it, the spins fail and stop.
 _SPIN_PROBE_EVERY = 32
 #: Progress calls per round, and rounds per wake, before the loop gets a turn.
 _BURST = 64
@@ -76,11 +76,12 @@ class _Driver:
         self._waiters: dict[Request, asyncio.Future] = {}
         self._accepts: list = []  # (listener, future, error_handling)
         self._canceled: set[Request] = set()  # canceled, not yet reported
-        # Endpoints someone awaits the end of (Endpoint.wait_closed).
-        # (Weak: an endpoint nobody refers to any more is not kept alive.)
-        self._closers: weakref.WeakKeyDictionary[Any, asyncio.Future] = (
-            weakref.WeakKeyDictionary()
-        )
+        # Endpoints someone awaits the end of (Endpoint.wait_closed):
+        # endpoint -> [future, number of awaiting tasks].  An entry goes when
+        # its future resolves or its last awaiting task gives up, so an
+        # endpoint nobody waits for is not kept alive.  (A plain dict: it is
+        # looked at after every progress pass.)
+        self._closers: dict[Any, list] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
         self._efd = worker.fileno()
@@ -115,7 +116,7 @@ class _Driver:
         for _, fut, _ in self._accepts:
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
-        for ep, fut in list(self._closers.items()):
+        for ep, (fut, _) in list(self._closers.items()):
             if not fut.done():  # closed with its worker
                 fut.set_result(ep.error)
         self._waiters.clear()
@@ -206,6 +207,9 @@ class _Driver:
                 if fut.done():
                     self._accepts.remove(item)
                     continue
+                ls = listener._state
+                if listener._h is not None and ls.head == ls.tail:
+                    continue  # no connection request queued
                 try:
                     ep = listener._try_accept(error_handling)
                 except Exception as exc:
@@ -221,26 +225,37 @@ class _Driver:
         (UCX's error callback or gpucx's liveness check set their error
         status, both seen here after progress) or were closed."""
         ok = lib.UCS_OK
-        done = [
-            ep
-            for ep, fut in list(self._closers.items())
-            if ep._h is None or ep._state.error != ok or fut.done()
-        ]
-        for ep in done:
-            fut = self._closers.pop(ep)
-            if not fut.done():
-                fut.set_result(ep.error)
+        done = None
+        for ep in self._closers:
+            if ep._h is None or ep._state.error != ok:
+                if done is None:
+                    done = []
+                done.append(ep)
+        if done:
+            for ep in done:
+                fut = self._closers.pop(ep)[0]
+                if not fut.done():
+                    fut.set_result(ep.error)
 
-    def closed_future(self, ep) -> asyncio.Future:
-        """The future that ``Endpoint.wait_closed`` awaits for ``ep``."""
-        fut = self._closers.get(ep)
-        if fut is None or fut.cancelled():
-            fut = self._closers[ep] = self._loop.create_future()
+    async def wait_closed(self, ep):
+        """What ``Endpoint.wait_closed`` awaits for core endpoint ``ep``."""
+        entry = self._closers.get(ep)
+        if entry is None:
+            entry = self._closers[ep] = [self._loop.create_future(), 0]
             if ep._h is None or ep._state.error != lib.UCS_OK:
                 self._settle_closers()
             else:
                 self._arm_timer()
-        return fut
+        fut = entry[0]
+        entry[1] += 1
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            entry[1] -= 1
+            if not entry[1] and not fut.done():
+                fut.cancel()  # the last awaiting task gave up
+                if self._closers.get(ep) is entry:
+                    del self._closers[ep]
 
     # -- waiting ------------------------------------------------------------
 
@@ -258,24 +273,50 @@ class _Driver:
         if hit:
             self._spin_cur = self._spin_ns
             return
-        self._spin_cur = spin // 2 if spin >= 2000 else 0
+        # A missed probe (spinning was off) turns it off again at once.
+        self._spin_cur = spin // 2 if spin >= 2000 and self._spin_cur else 0
         if not self._spin_cur:
             self._spin_skip = _SPIN_PROBE_EVERY
+
+    def _park(self) -> None:
+        """Make sure the fd wakes us for what comes next.  With this request
+        the only one awaited, arm the worker here (the spin just
+        progressed it) instead of in a progress pass on the next loop
+        iteration: one iteration fewer per await, which is most of a small
+        message's cost.  Otherwise (or when events are pending) kick."""
+        if (
+            self._scheduled
+            or len(self._waiters) != 1
+            or self._accepts
+            or self._canceled
+            or self._mode != "event"
+        ):
+            self.kick()
+            return
+        w = self._worker
+        w._poll_events()
+        if self._closers:
+            self._settle_closers()
+        if lib.ucp_worker_arm(w._h) == lib.UCS_ERR_BUSY:
+            self.kick()
 
     async def wait(self, req: Request):
         if req.done():
             return req.result()
         w = req._worker
         spin = self._spin_len()
-        hit = lib.gpucx_wait(w._h, req._slot, spin) != INPROGRESS
         if spin:
+            hit = lib.gpucx_wait(w._h, req._slot, spin) != INPROGRESS
             self._spin_done(spin, hit)
+        else:  # one progress call (gpucx_wait polls at least 128 times)
+            lib.ucp_worker_progress(w._h)
+            hit = req._slot.status != INPROGRESS
         if hit:
             w._poll_events()
             return req.wait(0)
         fut = self._loop.create_future()
         self._waiters[req] = fut
-        self.kick()
+        self._park()
         self._arm_timer()
         try:
             return await fut
@@ -384,8 +425,7 @@ class Endpoint:
             without one.  Nothing is raised, so several tasks may await it.
             Cancelling one awaiting task does not affect the others.
         """
-        fut = self._drv.closed_future(self._ep)
-        return await asyncio.shield(fut)
+        return await self._drv.wait_closed(self._ep)
 
     def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""

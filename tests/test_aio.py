@@ -321,7 +321,10 @@ def test_spin_is_configurable_and_adapts(ctx):
             drv._spin_done(drv._spin_len(), False)
         lengths = [drv._spin_len() for _ in range(gpucx.aio._SPIN_PROBE_EVERY)]
         assert lengths[-1] == 100_000 and not any(lengths[:-1])  # one probe
-        drv._spin_done(lengths[-1], True)
+        drv._spin_done(lengths[-1], False)  # a missed probe: off again
+        assert drv._spin_cur == 0 and drv._spin_len() == 0
+        drv._spin_skip = 1
+        drv._spin_done(drv._spin_len(), True)  # a probe that hits
         assert drv._spin_len() == 100_000
         b.close()
         a.close()
