@@ -19,7 +19,8 @@ Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``): that is
 how any operation is awaited.  :class:`Worker` adds the coroutines
 ``aaccept``, ``aconnect``, ``arecv`` and ``aflush``; the :class:`Endpoint`
 objects it hands out (from ``connect``, ``aconnect``, ``accept`` and
-``aaccept``) add ``asend`` and ``aflush``.  Every other operation is there in
+``aaccept``) add ``asend``, ``aflush`` and ``wait_closed`` (the endpoint
+failed or closed).  Every other operation is there in
 its blocking and ``_nb`` forms (await the ``_nb`` request).
 """
 
