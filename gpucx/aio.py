@@ -19,7 +19,8 @@ Every ``*_nb`` :class:`~gpucx.Request` is awaitable (``await req``): that is
 how any operation is awaited.  :class:`Worker` adds the coroutines
 ``aaccept``, ``aconnect``, ``arecv`` and ``aflush``; the :class:`Endpoint`
 objects it hands out (from ``connect``, ``aconnect``, ``accept`` and
-``aaccept``) add ``asend`` and ``aflush``.  Every other operation is there in
+``aaccept``) add ``asend``, ``aflush`` and ``wait_closed`` (the endpoint
+failed or closed).  Every other operation is there in
 its blocking and ``_nb`` forms (await the ``_nb`` request).
 """
 
@@ -43,6 +44,13 @@ _MODES = ("event", "poll")
 #: a reply that comes within this time costs no event-loop iteration.  Idle
 #: workers never spin (nothing is awaited).
 _SPIN_NS = {"event": 50_000, "poll": 200_000}
+#: Adaptive spin: a spin that ends without the completion halves the next
+#: one (below 1 us it stops); a spin that sees the completion restores the
+#: full length.  Spinning at 0 probes with the full length every this many
+#: awaits (a missed probe leaves it at 0).  On a machine with a free core
+#: for the peer a reply within the spin saves the wake-up; where the peer
+#: needs this core, spinning only delays it, the spins fail and stop.
+_SPIN_PROBE_EVERY = 32
 #: Progress calls per round, and rounds per wake, before the loop gets a turn.
 _BURST = 64
 _ROUNDS = 8
@@ -51,16 +59,30 @@ _ROUNDS = 8
 class _Driver:
     """Progress of one core worker from one asyncio loop."""
 
-    def __init__(self, worker, loop: asyncio.AbstractEventLoop, mode: str):
+    def __init__(
+        self,
+        worker,
+        loop: asyncio.AbstractEventLoop,
+        mode: str,
+        spin_ns: int | None = None,
+    ):
         if mode not in _MODES:
             raise ValueError(f"progress must be one of {_MODES}, not {mode!r}")
         self._worker = worker
         self._loop = loop
         self._mode = mode
-        self._spin_ns = _SPIN_NS[mode]
+        self._spin_ns = _SPIN_NS[mode] if spin_ns is None else int(spin_ns)
+        self._spin_cur = self._spin_ns  # the adaptive spin length
+        self._spin_skip = 0  # awaits until the next probe (at 0)
         self._waiters: dict[Request, asyncio.Future] = {}
         self._accepts: list = []  # (listener, future, error_handling)
         self._canceled: set[Request] = set()  # canceled, not yet reported
+        # Endpoints someone awaits the end of (Endpoint.wait_closed):
+        # endpoint -> [future, number of awaiting tasks].  An entry goes when
+        # its future resolves or its last awaiting task gives up, so an
+        # endpoint nobody waits for is not kept alive.  (A plain dict: it is
+        # looked at after every progress pass.)
+        self._closers: dict[Any, list] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
         self._efd = worker.fileno()
@@ -95,8 +117,12 @@ class _Driver:
         for _, fut, _ in self._accepts:
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
+        for ep, (fut, _) in list(self._closers.items()):
+            if not fut.done():  # closed with its worker
+                fut.set_result(ep.error)
         self._waiters.clear()
         self._accepts.clear()
+        self._closers.clear()
 
     # -- the progress engine ------------------------------------------------
 
@@ -135,7 +161,12 @@ class _Driver:
         worker has peers on this host: a dead shared-memory peer produces no
         event on the fd, only gpucx's liveness check notices it."""
         w = self._worker
-        if self._timer is None and w._watched and w._peer_interval > 0:
+        if (
+            self._timer is None
+            and w._watched
+            and w._peer_interval > 0
+            and (self._waiters or self._accepts or self._closers)
+        ):
             self._timer = self._loop.call_later(w._peer_interval, self._on_timer)
 
     def _on_timer(self) -> None:
@@ -143,10 +174,11 @@ class _Driver:
         if not self._attached:
             return
         self._run()
-        if self._waiters or self._accepts:
-            self._arm_timer()
+        self._arm_timer()
 
     def _settle(self) -> None:
+        if self._closers:
+            self._settle_closers()
         if self._canceled:
             # (A settled request's slot may already serve another message.)
             done = [
@@ -176,6 +208,9 @@ class _Driver:
                 if fut.done():
                     self._accepts.remove(item)
                     continue
+                ls = listener._state
+                if listener._h is not None and ls.head == ls.tail:
+                    continue  # no connection request queued
                 try:
                     ep = listener._try_accept(error_handling)
                 except Exception as exc:
@@ -186,18 +221,103 @@ class _Driver:
                     self._accepts.remove(item)
                     fut.set_result(ep)
 
+    def _settle_closers(self) -> None:
+        """Resolve the ``wait_closed`` futures of endpoints that failed
+        (UCX's error callback or gpucx's liveness check set their error
+        status, both seen here after progress) or were closed."""
+        ok = lib.UCS_OK
+        done = None
+        for ep in self._closers:
+            if ep._h is None or ep._state.error != ok:
+                if done is None:
+                    done = []
+                done.append(ep)
+        if done:
+            for ep in done:
+                fut = self._closers.pop(ep)[0]
+                if not fut.done():
+                    fut.set_result(ep.error)
+
+    async def wait_closed(self, ep):
+        """What ``Endpoint.wait_closed`` awaits for core endpoint ``ep``."""
+        entry = self._closers.get(ep)
+        if entry is None:
+            entry = self._closers[ep] = [self._loop.create_future(), 0]
+            if ep._h is None or ep._state.error != lib.UCS_OK:
+                self._settle_closers()
+            else:
+                self._arm_timer()
+        fut = entry[0]
+        entry[1] += 1
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            entry[1] -= 1
+            if not entry[1] and not fut.done():
+                fut.cancel()  # the last awaiting task gave up
+                if self._closers.get(ep) is entry:
+                    del self._closers[ep]
+
     # -- waiting ------------------------------------------------------------
+
+    def _spin_len(self) -> int:
+        """Nanoseconds the next await spins (see ``_SPIN_PROBE_EVERY``)."""
+        spin = self._spin_cur
+        if not spin and self._spin_ns:
+            self._spin_skip -= 1
+            if self._spin_skip <= 0:
+                spin = self._spin_ns  # probe
+        return spin
+
+    def _spin_done(self, spin: int, hit: bool) -> None:
+        """Adapt to a spin of ``spin`` ns that saw its completion or not."""
+        if hit:
+            self._spin_cur = self._spin_ns
+            return
+        # A missed probe (spinning was off) turns it off again at once.
+        self._spin_cur = spin // 2 if spin >= 2000 and self._spin_cur else 0
+        if not self._spin_cur:
+            self._spin_skip = _SPIN_PROBE_EVERY
+
+    def _park(self) -> None:
+        """Make sure the fd wakes us for what comes next.  With this request
+        the only one awaited, arm the worker here (the spin just
+        progressed it) instead of in a progress pass on the next loop
+        iteration: one iteration fewer per await, which is most of a small
+        message's cost.  Otherwise (or when events are pending) kick."""
+        if (
+            self._scheduled
+            or len(self._waiters) != 1
+            or self._accepts
+            or self._canceled
+            or self._mode != "event"
+        ):
+            self.kick()
+            return
+        w = self._worker
+        w._poll_events()
+        if self._closers:
+            self._settle_closers()
+        if lib.ucp_worker_arm(w._h) == lib.UCS_ERR_BUSY:
+            self.kick()
 
     async def wait(self, req: Request):
         if req.done():
             return req.result()
         w = req._worker
-        if lib.gpucx_wait(w._h, req._slot, self._spin_ns) != INPROGRESS:
+        spin = self._spin_len()
+        if spin:
+            hit = lib.gpucx_wait(w._h, req._slot, spin) != INPROGRESS
+            self._spin_done(spin, hit)
+        else:  # one progress call (gpucx_wait polls at least 128 times)
+            lib.ucp_worker_progress(w._h)
+            hit = req._slot.status != INPROGRESS
+        if hit:
             w._poll_events()
             return req.wait(0)
         fut = self._loop.create_future()
         self._waiters[req] = fut
-        self.kick()
+        self._park()
         self._arm_timer()
         try:
             return await fut
@@ -220,7 +340,7 @@ class _Driver:
         return await fut
 
 
-def _driver(worker, mode: str | None = None) -> _Driver:
+def _driver(worker, mode: str | None = None, spin_ns: int | None = None) -> _Driver:
     """The driver of ``worker`` on the running loop (made on first use)."""
     loop = asyncio.get_running_loop()
     drv = worker._aio
@@ -228,7 +348,7 @@ def _driver(worker, mode: str | None = None) -> _Driver:
         return drv
     if drv is not None:
         drv.detach()
-    drv = _Driver(worker, loop, mode or "event")
+    drv = _Driver(worker, loop, mode or "event", spin_ns)
     worker._aio = drv
     return drv
 
@@ -287,15 +407,38 @@ class Endpoint:
             raise_closed(ep)
         await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
 
+    async def wait_closed(self):
+        """Wait until the endpoint fails or is closed; return why.
+
+        Resolves as soon as UCX reports the endpoint's failure (a TCP
+        reset, a broken connection-manager link, keepalive), gpucx's
+        liveness check finds the peer process on this host dead (the way
+        a dead shared-memory peer is noticed; ``GPUCX_PEER_CHECK_INTERVAL``),
+        or the endpoint or its worker is closed here.  The worker needs no
+        other pending operation for that: while something awaits this, the
+        driver keeps checking.
+
+        Returns
+        -------
+        gpucx.UCXError or None
+            The endpoint's error (:attr:`gpucx.Endpoint.error`, e.g. a
+            :class:`~gpucx.PeerError`), or None when it was closed here
+            without one.  Nothing is raised, so several tasks may await it.
+            Cancelling one awaiting task does not affect the others.
+        """
+        return await self._drv.wait_closed(self._ep)
+
     def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
         self._ep.close(force=force, timeout=timeout)
+        if self._drv._closers:
+            self._drv._settle_closers()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self._ep.close()
+        self.close()
 
 
 class Listener:
@@ -358,20 +501,36 @@ class Worker:
         ``"event"`` (default) sleeps on the worker's fd between events;
         ``"poll"`` progresses on every loop iteration while requests are
         outstanding (lower latency, one busy core meanwhile).
+    spin_us : float, optional
+        How long an await busy-polls (in C, blocking the loop) before it
+        parks on a future: 50 us in ``"event"`` mode, 200 us in ``"poll"``
+        mode by default, 0 to never spin.  The spin adapts: one that ends
+        without the completion halves the next, down to none (with a
+        full-length probe every 32 awaits); one that sees it restores the
+        full length.
 
     Raises
     ------
     ValueError
-        For an unknown ``progress`` mode.
+        For an unknown ``progress`` mode or a negative ``spin_us``.
     RuntimeError
         When no event loop is running.
     """
 
-    def __init__(self, context, thread_mode: str = "single", progress: str = "event"):
+    def __init__(
+        self,
+        context,
+        thread_mode: str = "single",
+        progress: str = "event",
+        spin_us: float | None = None,
+    ):
         if progress not in _MODES:
             raise ValueError(f"progress must be one of {_MODES}, not {progress!r}")
+        if spin_us is not None and not spin_us >= 0:
+            raise ValueError(f"spin_us must be >= 0, not {spin_us!r}")
         self._worker = context.create_worker(thread_mode)
-        self._drv = _driver(self._worker, progress)
+        spin = None if spin_us is None else int(spin_us * 1000)
+        self._drv = _driver(self._worker, progress, spin)
         self._listeners: list = []
 
     def __getattr__(self, name: str) -> Any:

@@ -41,3 +41,26 @@ def aio_die_after_connect(ch):
         del ep
 
     asyncio.run(main())
+
+
+def aio_peer_to_kill(tls, via, ch):
+    """Hand out a worker address (or a listener port), take a message from
+    the test, then wait to be killed while progressing."""
+    from conftest import transport_config
+
+    async def main():
+        ctx = gpucx.Context(config=transport_config(tls, listener=via == "listener"))
+        w = gpucx.aio.Worker(ctx)
+        if via == "listener":
+            w.listen(host="127.0.0.1")
+            ch.put(w._listeners[0].port)
+            eps = [await w.aaccept(timeout=30)]  # kept until the end
+        else:
+            ch.put(w.address)
+            eps = []
+        await w.arecv(bytearray(5), tag=7)
+        await asyncio.to_thread(ch.get)
+        os.kill(os.getpid(), signal.SIGKILL)
+        del eps
+
+    asyncio.run(main())

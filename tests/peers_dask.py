@@ -10,7 +10,9 @@ def comm_server(tls, ch, mode):
     """Listen on gpucx://; tell the port; then, per ``mode``:
 
     - ``"silent"``: accept one comm and never answer (the test kills us);
-    - ``"stream"``: start writing 64 MiB messages forever (killed mid-way).
+    - ``"stream"``: start writing 64 MiB messages forever (killed mid-way);
+    - ``"burst-close"``: write 20 messages (small and 2 MiB), close the comm
+      and live on.
     """
     import dask.config
     import numpy as np
@@ -26,6 +28,11 @@ def comm_server(tls, ch, mode):
                 big = np.ones(64 << 20, "u1")
                 while True:
                     await comm.write({"x": to_serialize(big)})
+            if mode == "burst-close":
+                for i in range(20):
+                    x = np.full(2 << 20 if i % 2 else 10, i, "u1")
+                    await comm.write({"i": i, "x": to_serialize(x)})
+                await comm.close()
             await asyncio.sleep(3600)
 
         async with listen("gpucx://127.0.0.1:0", handle) as lst:

@@ -13,7 +13,7 @@ import gpucx
 import gpucx.aio
 
 from conftest import channel_pair, join_ok, spawn
-from peers_aio import aio_die_after_connect, aio_echo_server
+from peers_aio import aio_die_after_connect, aio_echo_server, aio_peer_to_kill
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -228,3 +228,105 @@ def test_peer_death_fails_awaiting_tasks():
     run(main())
     child.join(30)
     assert child.exitcode is not None and child.exitcode < 0
+
+
+@pytest.mark.parametrize(
+    "tls,via", [("tcp", "address"), ("shm", "address"), ("default", "listener")]
+)
+def test_wait_closed_reports_a_killed_peer(tls, via):
+    """``wait_closed`` resolves with the endpoint's PeerError soon after the
+    peer process is killed, with nothing else pending on the endpoint: over
+    TCP (UCX's error callback), shared memory (gpucx's liveness check) and a
+    listener connection."""
+    from conftest import transport_config
+
+    ch, theirs = channel_pair()
+    child = spawn(aio_peer_to_kill, tls, via, theirs)
+
+    async def main():
+        cfg = transport_config(tls, listener=via == "listener")
+        with gpucx.Context(config=cfg) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                where = ch.get(60)
+                if via == "listener":
+                    ep = await w.aconnect(("127.0.0.1", where))
+                else:
+                    ep = w.connect(where)
+                await ep.asend(b"hello", tag=7)
+                first = asyncio.ensure_future(ep.wait_closed())
+                second = asyncio.ensure_future(ep.wait_closed())
+                await asyncio.sleep(0.3)
+                assert not first.done()
+                second.cancel()  # one waiter giving up leaves the others
+                t0 = time.monotonic()
+                ch.put("die")
+                err = await asyncio.wait_for(first, 15)
+                took = time.monotonic() - t0
+                assert isinstance(err, gpucx.PeerError), err
+                assert isinstance(ep.error, gpucx.PeerError)
+                assert took < 5, took
+                again = await asyncio.wait_for(ep.wait_closed(), 1)
+                assert isinstance(again, gpucx.PeerError)
+                ep.close()
+
+    run(main())
+    child.join(30)
+    assert child.exitcode is not None and child.exitcode < 0
+
+
+def test_wait_closed_on_local_close(ctx):
+    """Closing the endpoint (or its worker) here resolves ``wait_closed``
+    with None; an endpoint closed already answers at once."""
+
+    async def main():
+        a = gpucx.aio.Worker(ctx)
+        b = gpucx.aio.Worker(ctx)
+        ep = b.connect(a.address)
+        ep2 = b.connect(a.address)
+        waiting = asyncio.ensure_future(ep.wait_closed())
+        waiting2 = asyncio.ensure_future(ep2.wait_closed())
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not waiting2.done()
+        ep.close()
+        assert await asyncio.wait_for(waiting, 5) is None
+        assert await asyncio.wait_for(ep.wait_closed(), 1) is None
+        b.close()  # the worker takes ep2 with it
+        assert await asyncio.wait_for(waiting2, 5) is None
+        a.close()
+
+    run(main())
+
+
+def test_spin_is_configurable_and_adapts(ctx):
+    """``spin_us`` sets the busy-poll before parking; spins that miss halve
+    the next down to none (with a full-length probe every few awaits), one
+    that sees its completion restores it."""
+
+    async def main():
+        with pytest.raises(ValueError, match="spin_us"):
+            gpucx.aio.Worker(ctx, spin_us=-1)
+        a = gpucx.aio.Worker(ctx, spin_us=100)
+        b = gpucx.aio.Worker(ctx, spin_us=0)
+        drv = a._drv
+        assert drv._spin_ns == 100_000 and b._drv._spin_ns == 0
+        assert b._drv._spin_len() == 0
+        ep = b.connect(a.address)
+        for n in range(3):  # nothing comes within the spin: it shrinks
+            task = asyncio.ensure_future(a.arecv(bytearray(8), tag=n))
+            await asyncio.sleep(0)
+            await ep.asend(b"x" * 8, tag=n)
+            await task
+        assert drv._spin_cur == 100_000 >> 3
+        while drv._spin_cur:
+            drv._spin_done(drv._spin_len(), False)
+        lengths = [drv._spin_len() for _ in range(gpucx.aio._SPIN_PROBE_EVERY)]
+        assert lengths[-1] == 100_000 and not any(lengths[:-1])  # one probe
+        drv._spin_done(lengths[-1], False)  # a missed probe: off again
+        assert drv._spin_cur == 0 and drv._spin_len() == 0
+        drv._spin_skip = 1
+        drv._spin_done(drv._spin_len(), True)  # a probe that hits
+        assert drv._spin_len() == 100_000
+        b.close()
+        a.close()
+
+    run(main())

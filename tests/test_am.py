@@ -688,6 +688,33 @@ def test_group_takes_kept_messages_then_posts_the_rest(pair):
     ]
 
 
+def test_one_buffer_group_takes_kept_messages_then_posts_the_rest(pair):
+    # One buffer posted many times goes to C as one entry: kept messages and
+    # posted members must land in it in order all the same.
+    pair.b.am_recv_nb(43, bytearray(1)).cancel()  # registers the id
+    pair.drive(pair.ab.am_send_nb(43, b"k1"), pair.ab.am_send_nb(43, b"k2"))
+    pump(pair, lambda: _kept(pair.b, 43) == 2)
+    buf = bytearray(2)
+    req = pair.b.am_recv_many_nb(43, [buf] * 4)
+    assert not req.done() and buf == bytearray(b"k2")  # kept ones landed
+    pair.drive(pair.ab.am_send_nb(43, b"p3"))
+    pump(pair, lambda: buf == bytearray(b"p3"))
+    assert not req.done()
+    pair.drive(pair.ab.am_send_nb(43, b"p4"), req)
+    assert req.result() == [2, 2, 2, 2] and buf == bytearray(b"p4")
+
+
+def test_group_of_repeated_buffers_keeps_each_position(pair):
+    a, b = np.zeros(4, np.uint8), np.zeros(8, np.uint8)
+    req = pair.b.am_recv_many_nb(44, [a, b, a, b, b])
+    sends = [
+        pair.ab.am_send_nb(44, np.full(n, k, np.uint8))
+        for k, n in enumerate((4, 8, 3, 6, 8), 1)
+    ]
+    assert pair.drive(req, *sends)[0] == [4, 8, 3, 6, 8]
+    assert a.tolist() == [3, 3, 3, 1] and (b == 5).all()
+
+
 @pytest.mark.parametrize("proto", ["eager", "rndv"])
 def test_kept_message_too_large_fails_that_receive_only(pair, proto):
     pair.b.am_recv_nb(43, bytearray(1)).cancel()
@@ -846,6 +873,9 @@ def test_group_receive_errors(pair):
         pair.b.am_recv_many_nb(35, [bytearray(4), b"read-only"])
     with pytest.raises(TypeError, match="buffer 0"):
         pair.b.am_recv_many_nb(35, [object()])
+    same = bytearray(4)
+    with pytest.raises(BufferError, match="buffer 3"):
+        pair.b.am_recv_many_nb(35, [same, same, same, b"read-only", same])
     with pytest.raises(gpucx.UnsupportedError, match="buffer 1: .*host memory"):
         pair.b.am_recv_many_nb(
             35, [bytearray(4), FakeCudaArrayV2(np.zeros(8, np.uint8))]

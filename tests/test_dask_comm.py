@@ -440,3 +440,37 @@ def test_env_is_not_written(monkeypatch):
         cfg = rt.context_config()
     assert cfg["TLS"] == "tcp"
     assert dict(os.environ) == before
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
+@gen_test(timeout=60)
+async def test_peer_process_closing_cleanly_delivers_everything_first(tls):
+    """A peer process that writes and closes (and lives on): every message
+    arrives before ``CommClosedError``, and the data endpoint to the live
+    peer is closed normally, not failed."""
+    ours, theirs = channel_pair()
+    proc = spawn(comm_server, tls, theirs, "burst-close")
+    try:
+        _, addr = ours.get(30)
+        with dask.config.set({"distributed-gpucx.tls": tls}):
+            comm = await connect(addr, timeout=20)
+            ours.get(30)
+            dep = comm._dep.endpoint
+            await asyncio.sleep(0.5)  # the peer has written and closed by now
+            for i in range(20):
+                msg = await asyncio.wait_for(comm.read(), 10)
+                assert msg["i"] == i and int(msg["x"][0]) == i
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(comm.read(), 10)
+            assert dep.error is None
+            lw = comm._lw
+            await comm.close()
+            for _ in range(50):
+                if dep._h is None:
+                    break
+                rt.sweep_parked(lw)
+                await asyncio.sleep(0.05)
+            assert dep._h is None and dep.error is None
+    finally:
+        proc.kill()
+        proc.join(10)

@@ -99,3 +99,26 @@ def test_the_environment_wins(monkeypatch):
 def test_the_comm_context_has_no_memory_access_features():
     ctx = rt.context()
     assert ctx.features == frozenset({"tag", "am"})
+
+
+def test_spin_reaches_the_loop_worker():
+    import asyncio
+
+    assert rt.settings().spin_us == 200
+    with dask.config.set({"distributed-gpucx.spin": "20us"}):
+        s = rt.settings()
+        assert s.spin_us == 20
+
+        async def main():
+            lw = rt.acquire(s)
+            try:
+                assert lw.aw._drv._spin_ns == 20_000
+            finally:
+                rt.release(lw)
+
+        asyncio.run(main())
+    with (
+        dask.config.set({"distributed-gpucx.spin": -0.001}),
+        pytest.raises(ValueError),
+    ):
+        rt.settings()

@@ -61,7 +61,8 @@ ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                            gpucx_slot_t *slot);
 ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,
                                  void **bufs, const size_t *lens,
-                                 gpucx_slot_t *members, size_t n);
+                                 size_t nbufs, gpucx_slot_t *members,
+                                 size_t n);
 void gpucx_am_unpost_all(gpucx_am_reg_t *reg);
 void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep);
 ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,

@@ -491,14 +491,18 @@ static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
 }
 
 /* Post bufs[0..n) (sizes lens[], member slots members[]) for the next n
- * messages of reg's id, in order, behind g's one slot.  Returns
- * UCS_INPROGRESS, UCS_OK for n == 0, or UCS_ERR_NO_MEMORY (nothing posted). */
+ * messages of reg's id, in order, behind g's one slot.  nbufs is n, or 1:
+ * then bufs[0] (lens[0]) is posted n times, which spares the caller
+ * building n-entry arrays for a stream of messages into one buffer.
+ * Returns UCS_INPROGRESS, UCS_OK for n == 0, or UCS_ERR_NO_MEMORY (nothing
+ * posted). */
 static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
                                         gpucx_am_group_t *g, void **bufs,
-                                        const size_t *lens,
+                                        const size_t *lens, size_t nbufs,
                                         gpucx_slot_t *members, size_t n)
 {
-    gpucx_am_state_t *st = reg->state;
+    gpucx_am_state_t *st   = reg->state;
+    size_t            step = (nbufs == 1) ? 0 : 1;
     size_t            i;
 
     g->reg         = reg;
@@ -524,7 +528,8 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
         gpucx_am_msg_t m;
 
         if (!gpucx__am_kept_pop(reg, &m)) {
-            gpucx__am_posts_push(reg, bufs[i], lens[i], &members[i], g);
+            gpucx__am_posts_push(reg, bufs[i * step], lens[i * step],
+                                 &members[i], g);
             continue;
         }
         /* A kept message: this member receives it now. */
@@ -532,8 +537,9 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
         members[i].req    = NULL;
         members[i].kind   = 0;
         pthread_mutex_unlock(&st->lock);
-        if (!gpucx__am_member_recv(st, g, &members[i], bufs[i], lens[i],
-                                   m.data, m.length, m.flags)) {
+        if (!gpucx__am_member_recv(st, g, &members[i], bufs[i * step],
+                                   lens[i * step], m.data, m.length,
+                                   m.flags)) {
             gpucx_am_release(st->worker, &m);
         }
         pthread_mutex_lock(&st->lock);

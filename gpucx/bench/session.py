@@ -215,7 +215,8 @@ class Session:
             req.cancel()
             w.progress()
             raise gpucx.TimeoutError(
-                f"the peer sent nothing for {timeout} s", lib.UCS_ERR_TIMED_OUT
+                f"timed out: the peer sent nothing for {timeout} s",
+                lib.UCS_ERR_TIMED_OUT,
             )
         try:
             info = req.result()

@@ -22,6 +22,7 @@ from dask.utils import parse_bytes, parse_timedelta
 import gpucx
 import gpucx.aio
 
+from ._buffers import ReceiveCache
 from ._framing import Limits
 
 #: The active-message id a client's HELLO travels on (the only AM the comm
@@ -29,9 +30,12 @@ from ._framing import Limits
 HELLO_AM_ID = 0xFE5D
 #: Top byte of every tag the comm uses (the rest is random per connection).
 TAG_PREFIX = 0xD5 << 56
-#: Low byte of a tag: the channel.
+#: Low byte of a tag: the channel.  The WELCOME has a channel of its own:
+#: it travels over the connection's endpoint while the listener's first
+#: messages may take the data endpoint, and UCX orders messages only within
+#: one endpoint.
 CH_DATA = 0
-CH_SENTINEL = 1
+CH_WELCOME = 1
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
 _EARLY_MAX = 1024
 
@@ -44,11 +48,13 @@ HELLO_MAGIC = b"GXDH"
 #: most this many bytes): the peer on the same host then opens a data
 #: endpoint to it (see ``data_endpoint``).
 ADDRESS_MAX = 4096
-#: WELCOME (listener -> client, tag server->client): magic, version,
+#: WELCOME (listener -> client, tag server->client | CH_WELCOME): magic, version,
 #: listener identity, listener's control buffer size.
 WELCOME = struct.Struct("<4sB3xIQ16sQI")
 WELCOME_MAGIC = b"GXDW"
-PROTOCOL_VERSION = 1
+#: 2: no sentinel send any more (failures come from the endpoint itself);
+#: the WELCOME on its own channel.
+PROTOCOL_VERSION = 2
 
 
 class Settings(NamedTuple):
@@ -60,6 +66,10 @@ class Settings(NamedTuple):
     limits: Limits
     ctrl_cap: int
     data_endpoints: bool
+    receive_cache: int
+    receive_cache_min: int
+    receive_cache_ttl: float
+    spin_us: float
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -94,10 +104,27 @@ def settings() -> Settings:
     ct = parse_timedelta(cfg["connect-timeout"], "s")
     cl = parse_timedelta(cfg["close-timeout"], "s")
     inline = parse_bytes(cfg["inline-threshold"])
-    if ct is None or ct <= 0 or cl is None or cl < 0 or inline < 0:
+    cache = parse_bytes(cfg["receive-cache"])
+    cache_min = parse_bytes(cfg["receive-cache-min-frame"])
+    ttl = parse_timedelta(cfg["receive-cache-ttl"], "s")
+    spin = parse_timedelta(cfg["spin"], "s")
+    if (
+        ct is None
+        or ct <= 0
+        or cl is None
+        or cl < 0
+        or inline < 0
+        or cache < 0
+        or cache_min < 0
+        or ttl is None
+        or ttl <= 0
+        or spin is None
+        or spin < 0
+    ):
         raise ValueError(
-            "distributed-gpucx: connect-timeout must be > 0, close-timeout and "
-            "inline-threshold >= 0"
+            "distributed-gpucx: connect-timeout and receive-cache-ttl must be "
+            "> 0, close-timeout, inline-threshold, receive-cache, "
+            "receive-cache-min-frame and spin >= 0"
         )
     if cfg["progress"] not in ("event", "poll"):
         raise ValueError(
@@ -120,6 +147,10 @@ def settings() -> Settings:
         limits,
         ctrl_cap,
         bool(cfg["same-host-data-endpoints"]),
+        cache,
+        cache_min,
+        ttl,
+        round(spin * 1e6, 3),
     )
 
 
@@ -161,9 +192,9 @@ def context() -> gpucx.Context:
 class LoopWorker:
     """The gpucx worker of one event loop, shared by its comms and listeners."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str):
+    def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, spin_us: float):
         self.loop = loop
-        self.aw = gpucx.aio.Worker(context(), progress=progress)
+        self.aw = gpucx.aio.Worker(context(), progress=progress, spin_us=spin_us)
         self.w = self.aw.worker
         self.refs = 0
         self.parked: list = []  # data endpoints closed once idle
@@ -211,12 +242,28 @@ class LoopWorker:
             self.aw.close(timeout=1.0)
 
 
-def acquire(progress: str) -> LoopWorker:
+_cache: list = []  # [(pid, cap, min, ttl), ReceiveCache]
+
+
+def receive_cache(s: Settings) -> ReceiveCache:
+    """This process's cache of large host receive buffers for settings ``s``
+    (a forked child or another configuration gets a new one)."""
+    key = (os.getpid(), s.receive_cache, s.receive_cache_min, s.receive_cache_ttl)
+    if _cache and _cache[0] == key:
+        return _cache[1]
+    if _cache:
+        _cache[1].clear()
+    cache = ReceiveCache(s.receive_cache, s.receive_cache_min, s.receive_cache_ttl)
+    _cache[:] = [key, cache]
+    return cache
+
+
+def acquire(s: Settings) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
     lw = _workers.get(loop)
     if lw is None or lw.w._h is None:
-        lw = LoopWorker(loop, progress)
+        lw = LoopWorker(loop, s.progress, s.spin_us)
         _workers[loop] = lw
     lw.refs += 1
     return lw
@@ -229,6 +276,8 @@ def release(lw: LoopWorker) -> None:
         if _workers.get(lw.loop) is lw:
             del _workers[lw.loop]
         lw.close()
+        if not _workers and _cache:
+            _cache[1].clear()  # no comm left: give the memory back
 
 
 def identity() -> tuple[int, int, bytes, int]:
@@ -293,8 +342,8 @@ def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
     single-copy ``cma`` (error-handling endpoints leave shared memory only
     its copy-through-FIFO path).  Its failures are caught by gpucx's
     liveness check of the peer process (the address is framed) and by the
-    connection's sentinel.  None for a peer elsewhere, or when the address
-    is not a gpucx worker address.
+    connection endpoint's ``wait_closed``.  None for a peer elsewhere, or
+    when the address is not a gpucx worker address.
     """
     from gpucx._address import Identity, is_local
 

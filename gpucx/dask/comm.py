@@ -3,15 +3,13 @@
 Wire format: :mod:`gpucx.dask._framing`; handshake and tags:
 :mod:`gpucx.dask._runtime` and ``docs/dask.md``.
 
-Failure detection: right after the handshake each side posts a
-synchronous, never-matched tag send (the *sentinel*) to its peer.  It stays
-pending while the peer lives and fails with ``PeerError`` as soon as the
-endpoint fails (a TCP reset at once; a peer on this host that dies is
-caught by gpucx's liveness check).  A task awaits it and, on failure,
-cancels the comm's posted receives, so every pending and later ``read``
-raises ``CommClosedError`` (tag receives are worker-wide and would not fail
-by themselves).  A comm that closes receives its peer's sentinel, so none
-is left in UCX's unexpected queue.
+Failure detection: a task awaits the connection endpoint's
+:meth:`gpucx.aio.Endpoint.wait_closed`, which returns as soon as the
+endpoint fails (UCX's error callback: a TCP or connection-manager reset at
+once; a peer on this host that dies is caught by gpucx's liveness check).
+It then cancels the comm's posted receives, so every pending and later
+``read`` raises ``CommClosedError`` (tag receives are worker-wide and would
+not fail by themselves).
 """
 
 from __future__ import annotations
@@ -44,6 +42,9 @@ logger = logging.getLogger("gpucx.dask")
 PREFIX = "gpucx://"
 _HOST_TYPES = (bytes, bytearray, memoryview)
 _DEVICE_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
+#: Steps of 5 ms to wait for a peer whose connection broke to be gone from
+#: the process table before taking it for alive.
+_DEATH_GRACE_STEPS = 20
 
 
 def _refuse_encryption(connection_args: dict) -> None:
@@ -91,19 +92,20 @@ class GpucxComm(Comm):
         rtag: int,
         stag: int,
         peer_cap: int,
-        sentinel,
         local_addr: str,
         peer_addr: str,
         settings: rt.Settings,
         deserialize: bool = True,
         data_ep=None,
+        peer_proc: tuple[int, int] | None = None,
     ):
         super().__init__(deserialize=deserialize)
         self._lw = lw
         self._ep = ep
         # Messages go over the data endpoint of a peer on this host, else
-        # over the connection's own endpoint (which also carries the sentinel).
+        # over the connection's own endpoint (watched for failure).
         self._dep = data_ep if data_ep is not None else ep
+        self._peer_proc = peer_proc  # (pid, start time) of a peer on this host
         self._w = lw.w
         self._rtag = rtag
         self._stag = stag
@@ -112,12 +114,12 @@ class GpucxComm(Comm):
         self._local_addr = local_addr
         self._peer_addr = peer_addr
         self._ctrl = np.empty(settings.ctrl_cap, "u1")
+        self._cache = rt.receive_cache(settings)
         self._closed = False
         self._broken: str | None = None
         self._recvs: set = set()
-        self._sentinel = sentinel
         self._released = False
-        self._consumed = False
+        self._dep_handed = False  # the data endpoint went to _settle_data_endpoint
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
@@ -126,12 +128,28 @@ class GpucxComm(Comm):
     # -- failure detection ----------------------------------------------------
 
     async def _watch_peer(self) -> None:
+        ep = self._ep
+        if ep is None:
+            return
         try:
-            await self._sentinel
+            err = await ep.wait_closed()
         except asyncio.CancelledError:
             return
-        except Exception as exc:
-            self._peer_failed(f"peer failed: {exc}")
+        if err is None or self._closed or self._broken is not None:
+            return
+        dep = self._dep
+        if dep is not ep and self._peer_alive():
+            # The connection broke while the process lives: it closed its
+            # end, or it is dying (the kernel resets a dying process's
+            # sockets before it leaves the process table).  The comm fails
+            # now; the data endpoint goes to a task that tells the two
+            # apart (it holds the worker meanwhile).
+            self._dep_handed = True
+            self._lw.refs += 1
+            asyncio.ensure_future(
+                _settle_data_endpoint(self._lw, dep, self._peer_proc, str(err))
+            )
+        self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
         if self._closed or self._broken is not None:
@@ -142,13 +160,23 @@ class GpucxComm(Comm):
         for req in list(self._recvs):
             req.cancel()
         dep = self._dep
-        if dep is not None and dep is not self._ep and dep.endpoint._h is not None:
+        if (
+            dep is not None
+            and dep is not self._ep
+            and not self._dep_handed
+            and dep.endpoint._h is not None
+        ):
             # No peer error handling there: fail its operations now (UCX
             # would not), as gpucx's liveness check would a moment later.
             from gpucx import _liveness
 
             _liveness.peer_died(self._w, dep.endpoint, reason)
         self._lw.aw._drv.kick()
+
+    def _peer_alive(self) -> bool:
+        from gpucx._liveness import proc_alive
+
+        return self._peer_proc is not None and proc_alive(*self._peer_proc)
 
     async def _await_frame(self, req) -> None:
         """Await a frame receive, racing the peer's failure: a receive that
@@ -208,6 +236,8 @@ class GpucxComm(Comm):
             ctrl = self._ctrl
             alloc = None
             w = self._w
+            cache = self._cache
+            trim = False
             for size, kind in zip(sizes, kinds, strict=True):
                 if kind == fr.CUDA:
                     if alloc is None:
@@ -215,15 +245,20 @@ class GpucxComm(Comm):
                     buf = alloc(size)
                     if size:
                         _sync_device(buf)
-                else:
+                elif kind == fr.INLINE:
                     buf = np.empty(size, "u1")
-                    if kind == fr.INLINE:
-                        buf[:] = ctrl[off : off + size]
-                        off += size
+                    buf[:] = ctrl[off : off + size]
+                    off += size
                     buf = buf.data
+                else:
+                    buf = cache.get(size)
+                    if size >= cache.min_bytes:
+                        trim = True
                 if size and kind != fr.INLINE:
                     reqs.append(w.recv_nb(buf, self._rtag))
                 frames.append(buf)
+            if trim:
+                cache.schedule_trim(self._lw.loop)
             if reqs:
                 self._recvs.update(reqs)
                 if self._broken is not None:
@@ -369,23 +404,6 @@ class GpucxComm(Comm):
         except Exception:
             pass
 
-    def _consume_sentinel(self) -> None:
-        """Take the peer's sentinel out of UCX's unexpected queue (its watch
-        then ends quietly); give up at once if it is not there.  Only once
-        the peer knows of the close (our CLOSE went out, it closed, or it
-        failed): the peer must not take a quiet end for a close."""
-        if self._consumed or not (
-            self._close_sent or self._peer_closed or self._broken is not None
-        ):
-            return
-        self._consumed = True
-        try:
-            req = self._w.recv_nb(bytearray(1), self._rtag | rt.CH_SENTINEL)
-            if not req.done():
-                req.cancel()
-        except Exception:  # the worker is gone already
-            pass
-
     def abort(self) -> None:
         """Close at once, without waiting (safe from ``finally`` blocks)."""
         self._closed = True
@@ -402,10 +420,9 @@ class GpucxComm(Comm):
             if self._drain():
                 self._peer_closed = True
             self._send_close()
-            self._consume_sentinel()
             self._ep = None
             dep, self._dep = self._dep, None
-            if dep is not ep:
+            if dep is not ep and not self._dep_handed:
                 rt.close_data_endpoint(self._lw, dep)
             try:
                 ep.close(force=True)
@@ -446,16 +463,38 @@ class GpucxComm(Comm):
         return {}
 
 
+async def _settle_data_endpoint(lw: rt.LoopWorker, dep, peer_proc, reason: str):
+    """Fail (peer died) or flush-close (peer lives on) the data endpoint of
+    a comm whose connection broke while the peer process still ran; then
+    drop the worker reference the comm took for this task."""
+    from gpucx import _liveness
+
+    try:
+        alive = True
+        for _ in range(_DEATH_GRACE_STEPS):
+            if not _liveness.proc_alive(*peer_proc):
+                alive = False
+                break
+            await asyncio.sleep(0.005)
+        if not alive and dep.endpoint._h is not None:
+            _liveness.peer_died(lw.w, dep.endpoint, f"peer failed: {reason}")
+            lw.aw._drv.kick()
+    finally:
+        if lw.w._h is not None:
+            rt.close_data_endpoint(lw, dep)
+        rt.release(lw)
+
+
 def _addr(pair) -> str:
     if pair is None:
         return ""
     return PREFIX + unparse_host_port(*pair)
 
 
-async def _first(task: asyncio.Future, sentinel, timeout: float, what: str):
-    """Await ``task``, failing early when ``sentinel`` (a pending sync send to
-    the peer) fails: the peer went away mid-handshake."""
-    watch = asyncio.ensure_future(_await(sentinel))
+async def _first(task: asyncio.Future, ep, timeout: float, what: str):
+    """Await ``task``, failing early when endpoint ``ep`` fails: the peer
+    went away mid-handshake."""
+    watch = asyncio.ensure_future(ep.wait_closed())
     try:
         done, _ = await asyncio.wait(
             {task, watch}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -466,8 +505,8 @@ async def _first(task: asyncio.Future, sentinel, timeout: float, what: str):
     if task in done:
         return task.result()
     task.cancel()
-    if watch in done and watch.exception() is not None:
-        raise CommClosedError(f"{what}: peer went away ({watch.exception()})")
+    if watch in done:
+        raise CommClosedError(f"{what}: peer went away ({watch.result()})")
     raise CommClosedError(f"{what}: no answer within {timeout} s")
 
 
@@ -483,7 +522,7 @@ class GpucxConnector(Connector):
         s = rt.settings()
         host, port = parse_host_port(address)
         ip = ensure_ip(host)
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         ep = None
         ok = False
         try:
@@ -509,16 +548,11 @@ class GpucxConnector(Connector):
                 s.ctrl_cap,
             ) + (lw.w.address if s.data_endpoints else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
-            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
             welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
-            task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag))
-            try:
-                info = await _first(
-                    task, sentinel, s.connect_timeout, f"gpucx handshake with {address}"
-                )
-            except BaseException:
-                sentinel.cancel()
-                raise
+            task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag | rt.CH_WELCOME))
+            info = await _first(
+                task, ep, s.connect_timeout, f"gpucx handshake with {address}"
+            )
             magic, version, ppid, pstart, pboot, pns, peer_cap = rt.WELCOME.unpack_from(
                 welcome
             )
@@ -541,12 +575,12 @@ class GpucxConnector(Connector):
                 rtag,
                 stag,
                 peer_cap,
-                sentinel,
                 local,
                 PREFIX + address,
                 s,
                 deserialize,
                 dep,
+                (ppid, pstart) if dep is not None else None,
             )
             ok = True
             return comm
@@ -590,7 +624,7 @@ class GpucxListener(BaseListener):
         """Listen and start accepting."""
         s = rt.settings()
         self._settings = s
-        lw = rt.acquire(s.progress)
+        lw = rt.acquire(s)
         try:
             self._lst = lw.aw.listen(self.port, self.ip or "0.0.0.0")
         except BaseException:
@@ -622,7 +656,6 @@ class GpucxListener(BaseListener):
         s = self._settings
         lw.refs += 1
         comm = None
-        sentinel = None
         dep = None
         try:
             hello = await asyncio.wait_for(lw.hello_for(ep.endpoint), s.connect_timeout)
@@ -639,7 +672,6 @@ class GpucxListener(BaseListener):
                 or peer_cap < fr.HEADER.size + fr.ENTRY.size
             ):
                 raise fr.FramingError("malformed gpucx:// HELLO")
-            sentinel = ep.send_nb(b"\0", stag | rt.CH_SENTINEL, True)
             me = rt.identity()
             dep = None
             if s.data_endpoints:
@@ -647,7 +679,7 @@ class GpucxListener(BaseListener):
             welcome = rt.WELCOME.pack(
                 rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
             ) + (lw.w.address if dep is not None else b"")
-            await ep.asend(welcome, stag)
+            await ep.asend(welcome, stag | rt.CH_WELCOME)
             rt.watch_peer(lw, ep, pid, start, boot, ns)
             comm = GpucxComm(
                 lw,
@@ -655,17 +687,15 @@ class GpucxListener(BaseListener):
                 rtag,
                 stag,
                 peer_cap,
-                sentinel,
                 _addr(ep.local_sockaddr),
                 _addr(ep.remote_sockaddr),
                 s,
                 self.deserialize,
                 dep,
+                (pid, start) if dep is not None else None,
             )
             lw.refs += 1  # the comm's own reference
         except BaseException as exc:
-            if sentinel is not None:
-                sentinel.cancel()
             if dep is not None:
                 rt.close_data_endpoint(lw, dep)
             lw.forget(ep.endpoint)
