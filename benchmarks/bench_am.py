@@ -130,13 +130,19 @@ def _server(
 
             w.set_am_handler(DATA, on_data)
             progress = w.progress
+            ndone = 0  # reqs[:ndone] are complete
             while not conn.poll(0):
                 for _ in range(1000):  # a syscall per 1000 polls only
                     progress()
-                    # The next round may already be arriving: ack this
-                    # round's first ``iters`` messages once they are in.
-                    if len(reqs) >= iters and all(r.done() for r in reqs[:iters]):
+                    # Completions are looked at once each, in order (a
+                    # receive is done once its request says so); the next
+                    # round may already be arriving: ack this round's
+                    # first ``iters`` messages once they are in.
+                    while ndone < len(reqs) and reqs[ndone].done():
+                        ndone += 1
+                    if ndone >= iters:
                         del reqs[:iters]
+                        ndone -= iters
                         ep.am_send(ACK, b"")
         elif mode in ("posted", "group"):
             for r in range(rounds):
