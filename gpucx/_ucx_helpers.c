@@ -6,8 +6,8 @@
  * after it (_csrc/worker.c, ep.c, tag.c, am.c, ...: _build_ucx.C_SOURCES).
  * Everything that runs inside ucp_worker_progress() lives in these files:
  * completion callbacks record status, length and tag into a gpucx_slot_t,
- * the endpoint-error and connection-request callbacks push into small C
- * rings.  Python reads those records after progress returns; no Python code
+ * the endpoint-error callback into the endpoint's state and the
+ * connection-request callback into a small C ring.  Python reads those records after progress returns; no Python code
  * is ever called from UCX.
  *
  * Post helpers build ucp_request_param_t in C so that one Python->C crossing

@@ -51,9 +51,6 @@ OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 CANCELED = lib.UCS_ERR_CANCELED
 
-#: How long the C wait loop spins before sleeping on the event fd, by
-#: default; each worker uses its context's ``GPUCX_SPIN_US`` (``_spin_ns``).
-SPIN_NS = 5_000_000
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
 #: How long a canceled operation may take to report back when its worker

@@ -1,12 +1,13 @@
 /*
  * Endpoints and listeners: creation (by worker address or sockaddr), the
- * peer-error callback and ring, close, and connection requests.
+ * peer-error callback, close, and connection requests.
  */
 
 /* ---- endpoints --------------------------------------------------------- */
 
+/* The parameters every endpoint shares; st belongs to worker w. */
 static void gpucx__ep_params(ucp_ep_params_t *params, int err_mode_peer,
-                             gpucx_ep_state_t *st)
+                             gpucx_worker_state_t *w, gpucx_ep_state_t *st)
 {
     memset(params, 0, sizeof(*params));
     params->field_mask = UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
@@ -16,6 +17,7 @@ static void gpucx__ep_params(ucp_ep_params_t *params, int err_mode_peer,
     params->err_handler.cb  = gpucx__ep_err_cb;
     params->err_handler.arg = st;
     st->error               = UCS_OK;
+    st->worker              = w;
 }
 
 static ucs_status_t gpucx_ep_create_address(gpucx_worker_state_t *w,
@@ -25,8 +27,7 @@ static ucs_status_t gpucx_ep_create_address(gpucx_worker_state_t *w,
 {
     ucp_ep_params_t params;
 
-    gpucx__ep_params(&params, err_mode_peer, st);
-    st->worker = w;
+    gpucx__ep_params(&params, err_mode_peer, w, st);
     params.field_mask |= UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     params.address = (const ucp_address_t *)address;
     return ucp_ep_create(w->worker, &params, &st->ep);
@@ -63,8 +64,7 @@ static ucs_status_t gpucx_ep_create_sockaddr(gpucx_worker_state_t *w,
     if ((res = gpucx__resolve(host, port, 0)) == NULL) {
         return UCS_ERR_INVALID_ADDR;
     }
-    gpucx__ep_params(&params, err_mode_peer, st);
-    st->worker = w;
+    gpucx__ep_params(&params, err_mode_peer, w, st);
     params.field_mask |= UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
     params.flags           = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
     params.sockaddr.addr   = res->ai_addr;
@@ -81,8 +81,7 @@ static ucs_status_t gpucx_ep_create_conn(gpucx_worker_state_t *w,
 {
     ucp_ep_params_t params;
 
-    gpucx__ep_params(&params, err_mode_peer, st);
-    st->worker = w;
+    gpucx__ep_params(&params, err_mode_peer, w, st);
     params.field_mask |= UCP_EP_PARAM_FIELD_CONN_REQUEST;
     params.conn_request = req;
     return ucp_ep_create(w->worker, &params, &st->ep);

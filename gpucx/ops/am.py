@@ -879,7 +879,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     # per-message Python, the cost that bounds a receiver's message rate.
     ids = set(map(id, bufs))
     seen: dict = {}
-    for i, buf in enumerate(bufs if len(ids) > 1 else bufs[:1]):
+    for i, buf in enumerate(bufs):
         if id(buf) in seen:
             continue
         try:
