@@ -23,7 +23,7 @@ import gpucx
 import gpucx.aio
 
 from ._buffers import ReceiveCache
-from ._framing import Limits
+from ._framing import ENTRY, HEADER, Limits
 
 #: The active-message id a client's HELLO travels on (the only AM the comm
 #: uses; the listener side learns the client's endpoint from it).
@@ -36,6 +36,8 @@ TAG_PREFIX = 0xD5 << 56
 #: one endpoint.
 CH_DATA = 0
 CH_WELCOME = 1
+#: Frames whose table fits in the control buffer (more: a TABLE message).
+CTRL_TABLE_MAX = 4096
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
 _EARLY_MAX = 1024
 
@@ -135,9 +137,9 @@ def settings() -> Settings:
         parse_bytes(cfg["max-frame-size"]),
         parse_bytes(cfg["max-message-size"]),
     )
-    # The control buffer holds the header, a table of up to 4096 frames and
-    # the inline bytes; longer tables travel as their own message.
-    ctrl_cap = 20 + 4096 * 9 + inline
+    # The control buffer holds the header, a table of up to CTRL_TABLE_MAX
+    # frames and the inline bytes; longer tables travel as their own message.
+    ctrl_cap = HEADER.size + CTRL_TABLE_MAX * ENTRY.size + inline
     return Settings(
         ct,
         cl,
