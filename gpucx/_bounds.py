@@ -129,7 +129,7 @@ def dropped(worker) -> None:
     blocking waits compare it) or the array queue dropped one.
     """
     am = worker._am
-    am.drops_seen = worker._amq.drops
+    worker._amq.drops_seen = worker._amq.drops
     now = time.monotonic()
     if now < am.warn_at:
         return

@@ -58,12 +58,19 @@ typedef struct gpucx_ep_state {
 } gpucx_ep_state_t;
 
 struct gpucx_amo_emu;
+struct gpucx_am_state;
+struct gpucx_qstat;
 
 typedef struct gpucx_worker_state {
     ucp_worker_h       worker;
     int                efd;
     /* gpucx's atomics over active messages (atomic.c), or NULL. */
     struct gpucx_amo_emu *amo;
+    /* What gpucx_progress looks at after progress (am.c): the handler
+     * queue, and the notification queue's counters while Python has a
+     * notification handler (else NULL). */
+    struct gpucx_am_state     *am;
+    const struct gpucx_qstat *notify;
 } gpucx_worker_state_t;
 
 /* The connection-request ring has one producer (the UCX callback, inside

@@ -343,7 +343,12 @@ class Request:
         self._state = 0  # 0 pending, 1 ok, 2 failed
         self._value = None
         if slot.status == INPROGRESS:
-            worker._track(self)
+            # Worker._track, inlined: one call less for every pending
+            # operation.
+            pending = worker._pending
+            pending.add(self)
+            if len(pending) >= worker._sweep_at:
+                worker._sweep()
         else:
             self._complete()
 

@@ -23,6 +23,8 @@ __all__ = ["Worker"]
 
 #: How many tracked requests trigger a sweep of completed, unobserved ones.
 _SWEEP_MIN = 1024
+#: Bit of lib.gpucx_progress's result: queued work needs Python.
+_DUE = lib.GPUCX_PROGRESS_DUE
 
 
 class Worker(Handle):
@@ -101,13 +103,12 @@ class Worker(Handle):
         h = self._h
         if h is None:
             raise_closed(self)
-        n = lib.ucp_worker_progress(h)
-        if self._amq.tail:  # active messages queued: run their handlers
-            _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.stat.count:
-            _rma.dispatch_notifications(self)
-        if self._amq.drops != self._am.drops_seen:  # a queue cap dropped some
-            _bounds.dropped(self)
+        # One C call: UCX's progress, and whether queued messages,
+        # notifications or drops need Python now.
+        n = lib.gpucx_progress(self._state)
+        if n & _DUE:
+            n ^= _DUE
+            self._run_queues()
         if self._watched:  # peers on this host: look at them now and then
             self._peer_tick -= 1
             if self._peer_tick <= 0:
@@ -120,16 +121,22 @@ class Worker(Handle):
         and put-with-notify notifications (when a handler is set), checks
         peers on this host (at most once per interval) and frees parked
         operations UCX has let go of."""
-        if self._amq.tail:
-            _am.dispatch(self)
-        if self._notify_handler is not None and self._notify_q.stat.count:
-            _rma.dispatch_notifications(self)
-        if self._amq.drops != self._am.drops_seen:
-            _bounds.dropped(self)
+        self._run_queues()
         if self._watched:
             _live.check(self)
         elif self._parked:
             _live.sweep_parked(self)
+
+    def _run_queues(self) -> None:
+        """Run the handlers of queued active messages and notifications, and
+        warn about drops since the last look."""
+        amq = self._amq
+        if amq.tail:
+            _am.dispatch(self)
+        if self._notify_handler is not None and self._notify_q.stat.count:
+            _rma.dispatch_notifications(self)
+        if amq.drops != amq.drops_seen:  # a queue cap dropped some
+            _bounds.dropped(self)
 
     def fileno(self) -> int:
         """The worker's event fd (``ucp_worker_get_efd``), for event loops."""
@@ -313,13 +320,13 @@ class Worker(Handle):
 
     # -- request bookkeeping --------------------------------------------------
 
-    def _track(self, req) -> None:
+    def _sweep(self) -> None:
+        """Settle the finished requests nobody looked at (Request.__init__
+        calls it once the pending set doubled since the last sweep)."""
         pending = self._pending
-        pending.add(req)
-        if len(pending) >= self._sweep_at:
-            for r in [r for r in pending if r._slot.status != INPROGRESS]:
-                r._complete()
-            self._sweep_at = max(_SWEEP_MIN, 2 * len(pending))
+        for r in [r for r in pending if r._slot.status != INPROGRESS]:
+            r._complete()
+        self._sweep_at = max(_SWEEP_MIN, 2 * len(pending))
 
     def _untrack(self, req) -> None:
         self._pending.discard(req)

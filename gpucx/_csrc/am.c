@@ -39,6 +39,7 @@ typedef struct gpucx_am_state {
     gpucx_qstat_t   queue;
     gpucx_qstat_t   kept;
     uint64_t        drops;
+    uint64_t        drops_seen; /* drops when Python last looked (Python) */
     /* Push (inside progress) and pop (Python) may run in different threads
      * of a "multi" worker; uncontended, the lock costs a few ns. */
     pthread_mutex_t lock;
@@ -680,6 +681,40 @@ static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
     }
     pthread_mutex_unlock(&st->lock);
     return found;
+}
+
+/* Bit of gpucx_progress's result: Python has work after this progress. */
+#define GPUCX_PROGRESS_PY (1u << 31)
+static const unsigned GPUCX_PROGRESS_DUE = GPUCX_PROGRESS_PY;
+
+/* Progress the worker once and say, in the same call, whether Python has
+ * work to do after it: messages queued for handlers, notifications queued
+ * for a handler, or drops Python has not looked at (what w->am and
+ * w->notify point to; see gpucx_progress_watch).  Returns UCX's event
+ * count, with GPUCX_PROGRESS_PY set when there is such work.
+ * Worker.progress is one C call with one argument this way (each cdata
+ * argument costs cffi a type check).  The reads are unlocked: whatever
+ * one misses, the next call sees. */
+static unsigned gpucx_progress(gpucx_worker_state_t *w)
+{
+    unsigned                n  = ucp_worker_progress(w->worker);
+    const gpucx_am_state_t *st = w->am;
+
+    if ((st != NULL && (st->tail != 0 || st->drops != st->drops_seen)) ||
+        (w->notify != NULL && w->notify->count != 0)) {
+        n |= GPUCX_PROGRESS_PY;
+    }
+    return n;
+}
+
+/* Point gpucx_progress at the worker's AM state and, while a notification
+ * handler is set, its notification counters (NULL otherwise). */
+static void gpucx_progress_watch(gpucx_worker_state_t *w,
+                                 gpucx_am_state_t *am,
+                                 const gpucx_qstat_t *notify)
+{
+    w->am     = am;
+    w->notify = notify;
 }
 
 /* caps: kept count, kept bytes, queue count, queue bytes (0: no cap). */

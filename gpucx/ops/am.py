@@ -101,7 +101,6 @@ class _AmWorker:
         "enabled",
         "recv_ids",
         "array_stats",
-        "drops_seen",
         "warn_at",
         "unhandled",
     )
@@ -112,7 +111,6 @@ class _AmWorker:
         kept, queue = _bounds.caps(ctx, "am_kept"), _bounds.caps(ctx, "am_queue")
         lib.gpucx_am_init(self.state, worker._h, ffi.new("size_t[4]", kept + queue))
         self.array_stats = _bounds.ArrayQueueStats(*_bounds.caps(ctx, "arrays"))
-        self.drops_seen = 0  # state.drops when drops were last looked at
         self.warn_at = 0.0  # no drop warning before this time.monotonic()
         self.unhandled: set = set()  # ids warned about having no handler
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
@@ -152,6 +150,7 @@ def attach(worker) -> None:
     am = _AmWorker(worker)
     worker._am = am
     worker._amq = am.state
+    lib.gpucx_progress_watch(worker._state, am.state, ffi.NULL)
 
 
 def detach(worker) -> None:
@@ -192,11 +191,14 @@ def _release(am: _AmWorker, pair) -> None:
 
 def _recycle(am: _AmWorker, pair, _ptr=None) -> None:
     # Once per message, when nothing can use its record any more: the
-    # message is garbage and so is every view of its data (ffi.gc).
+    # message is garbage and so is every view of its data (ffi.gc).  Runs
+    # once per message, so _release is inlined.
     if lib is None:  # interpreter shutdown
         return
-    _release(am, pair)
-    if len(am.free) < _POOL_MAX and am.live[0] is not None:
+    h = am.live[0]
+    if am.held.pop(id(pair), None) is not None:
+        lib.gpucx_am_release(h if h is not None else ffi.NULL, pair[0])
+    if h is not None and len(am.free) < _POOL_MAX:
         am.free.append(pair)
 
 
@@ -288,9 +290,8 @@ class AmMessage:
     def __init__(self, worker, pair, am):
         rec = pair[0]
         self.am_id = rec.id
-        self.header = (
-            ffi.buffer(rec.header, rec.header_length)[:] if rec.header else b""
-        )
+        n = rec.header_length  # C copied a header of n > 0 bytes
+        self.header = ffi.buffer(rec.header, n)[:] if n else b""
         self.nbytes = rec.length
         self.is_rndv = bool(rec.flags & _RNDV)
         self._reply_ep = None

@@ -683,6 +683,12 @@ def set_notify_handler(worker, handler) -> None:
     if handler is not None and not callable(handler):
         raise TypeError(f"handler must be callable or None, not {handler!r}")
     worker._notify_handler = handler
+    # Progress looks at the queue in C only while a handler is set.
+    lib.gpucx_progress_watch(
+        worker._state,
+        worker._amq,
+        ffi.NULL if handler is None else ffi.addressof(worker._notify_q, "stat"),
+    )
 
 
 def dispatch_notifications(worker) -> None:
