@@ -281,9 +281,12 @@ static inline ucs_status_t gpucx__tag_posted(gpucx_slot_t *slot,
     return gpucx__posted(slot, p);
 }
 
-static void gpucx_slot_release(gpucx_slot_t *slot)
+/* Free the slot's UCX request once it completed; returns its status (so
+ * that Python's completion reads it in the same call). */
+static ucs_status_t gpucx_slot_release(gpucx_slot_t *slot)
 {
     gpucx__release(slot);
+    return slot->status;
 }
 
 struct gpucx_am_reg;

@@ -359,8 +359,7 @@ class Request:
     def _complete(self) -> None:
         """First observation of completion: free the UCX request, settle."""
         slot = self._slot
-        lib.gpucx_slot_release(slot)
-        st = slot.status
+        st = lib.gpucx_slot_release(slot)
         if st == OK:
             self._state = 1
             self._value = self._finish(self) if self._finish is not None else None

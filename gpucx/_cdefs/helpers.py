@@ -51,7 +51,7 @@ const char *gpucx_status_name(ucs_status_t st);
 const char *gpucx_package_version(void);
 const char *gpucx_build_ucx_prefix(void);
 
-void gpucx_slot_release(gpucx_slot_t *slot);
+ucs_status_t gpucx_slot_release(gpucx_slot_t *slot);
 ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
 ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
                         uint64_t spin_ns);

@@ -835,7 +835,9 @@ static ucs_status_t gpucx_am_recv_data(ucp_worker_h worker, void *desc,
 }
 
 /* Receive the payload of a popped rendezvous message into buf, zero copy:
- * the descriptor moves from the message to the receive. */
+ * the descriptor moves from the message to the receive, and the header
+ * (Python copied it when it popped the message) is freed, so the record
+ * holds nothing gpucx_am_release would give back. */
 static ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m,
                                       void *buf, int memory_type,
                                       gpucx_slot_t *slot)
@@ -843,6 +845,9 @@ static ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m,
     void *desc = m->data;
 
     m->data = NULL;
+    free(m->header);
+    m->header        = NULL;
+    m->header_length = 0;
     return gpucx_am_recv_data(worker, desc, buf, m->length, memory_type, slot);
 }
 

@@ -293,7 +293,7 @@ class AmMessage:
         n = rec.header_length  # C copied a header of n > 0 bytes
         self.header = ffi.buffer(rec.header, n)[:] if n else b""
         self.nbytes = rec.length
-        self.is_rndv = bool(rec.flags & _RNDV)
+        self.is_rndv = (rec.flags & _RNDV) != 0
         self._reply_ep = None
         self._worker = worker
         self._pair = pair
@@ -414,6 +414,9 @@ class AmMessage:
                 with _cuda.door(w, ptr, mt, stream, _RECV):
                     self._taken = True
                     lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+            # The record holds nothing to give back now: recycling it needs
+            # no C call.
+            self._am.held.pop(id(self._pair), None)
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
             return Request(w, slot, (keep, self), _RECV, _nbytes, self._reply_ep, n)
