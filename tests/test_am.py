@@ -46,6 +46,23 @@ def test_am_sizes_and_protocols(pair, tls, proto, nbytes):
     (n, _) = pair.drive(msg.receive_into(out), req)
     assert n == nbytes
     assert np.array_equal(out, src)
+    # The record gave its data (and, for a rendezvous, its C header copy)
+    # away with the receive; the message keeps its own header.
+    assert id(msg._pair) not in pair.b._am.held
+    assert msg.header == hdr
+
+
+def test_progress_returns_the_event_count_only(pair):
+    # The C progress marks "queued work for Python" in a high bit of its
+    # result; progress() runs that work and returns UCX's event count alone.
+    got = collect(pair.b, 4)
+    pair.ab.am_send_nb(4, b"x")
+    counts = []
+    end = time.monotonic() + 10
+    while not got and time.monotonic() < end:
+        counts += [pair.a.progress(), pair.b.progress()]
+    assert [bytes(m.data) for m in got] == [b"x"]
+    assert any(counts) and all(0 <= n < 1 << 31 for n in counts)
 
 
 def test_eager_data_is_a_readonly_view(pair):
