@@ -684,14 +684,13 @@ static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
 }
 
 /* Bit of gpucx_progress's result: Python has work after this progress. */
-#define GPUCX_PROGRESS_PY (1u << 31)
-static const unsigned GPUCX_PROGRESS_DUE = GPUCX_PROGRESS_PY;
+static const unsigned GPUCX_PROGRESS_DUE = 1u << 31;
 
 /* Progress the worker once and say, in the same call, whether Python has
  * work to do after it: messages queued for handlers, notifications queued
  * for a handler, or drops Python has not looked at (what w->am and
  * w->notify point to; see gpucx_progress_watch).  Returns UCX's event
- * count, with GPUCX_PROGRESS_PY set when there is such work.
+ * count, with GPUCX_PROGRESS_DUE set when there is such work.
  * Worker.progress is one C call with one argument this way (each cdata
  * argument costs cffi a type check).  The reads are unlocked: whatever
  * one misses, the next call sees. */
@@ -702,7 +701,7 @@ static unsigned gpucx_progress(gpucx_worker_state_t *w)
 
     if ((st != NULL && (st->tail != 0 || st->drops != st->drops_seen)) ||
         (w->notify != NULL && w->notify->count != 0)) {
-        n |= GPUCX_PROGRESS_PY;
+        n |= GPUCX_PROGRESS_DUE;
     }
     return n;
 }
