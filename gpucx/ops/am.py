@@ -191,14 +191,11 @@ def _release(am: _AmWorker, pair) -> None:
 
 def _recycle(am: _AmWorker, pair, _ptr=None) -> None:
     # Once per message, when nothing can use its record any more: the
-    # message is garbage and so is every view of its data (ffi.gc).  Runs
-    # once per message, so _release is inlined.
+    # message is garbage and so is every view of its data (ffi.gc).
     if lib is None:  # interpreter shutdown
         return
-    h = am.live[0]
-    if am.held.pop(id(pair), None) is not None:
-        lib.gpucx_am_release(h if h is not None else ffi.NULL, pair[0])
-    if h is not None and len(am.free) < _POOL_MAX:
+    _release(am, pair)
+    if len(am.free) < _POOL_MAX and am.live[0] is not None:
         am.free.append(pair)
 
 
