@@ -167,17 +167,12 @@ def wait_for(
     deadline = None if timeout is None else time.monotonic() + timeout
     r = ready()
     while not r:
-        if deadline is None:
-            ms = _SLICE_MS
-        else:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if what is not None:
-                    raise TimeoutError(
-                        f"{what} within {timeout} s", lib.UCS_ERR_TIMED_OUT
-                    )
+        try:
+            ms = slice_ms(deadline, timeout, what or "wait")
+        except TimeoutError:
+            if what is None:
                 return r
-            ms = min(_SLICE_MS, max(1, int(left * 1000)))
+            raise
         if poll:
             for _ in range(POLL_STRIDE):
                 worker.progress()
