@@ -7,8 +7,8 @@
  * Everything that runs inside ucp_worker_progress() lives in these files:
  * completion callbacks record status, length and tag into a gpucx_slot_t,
  * the endpoint-error callback into the endpoint's state and the
- * connection-request callback into a small C ring.  Python reads those records after progress returns; no Python code
- * is ever called from UCX.
+ * connection-request callback into a small C ring.  Python reads those
+ * records after progress returns; no Python code is ever called from UCX.
  *
  * Post helpers build ucp_request_param_t in C so that one Python->C crossing
  * posts an operation, and the fused *_wait helpers post and progress in one

@@ -416,9 +416,8 @@ static ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,
                                        void *buf, size_t len,
                                        gpucx_slot_t *slot, uint64_t spin_ns)
 {
-    return gpucx__wait_posted(
-        worker, slot, gpucx_am_post(reg, buf, len, slot),
-        spin_ns);
+    return gpucx__wait_posted(worker, slot, gpucx_am_post(reg, buf, len, slot),
+                              spin_ns);
 }
 
 /* Take the oldest kept message of reg into *out (state lock held); 0 when
@@ -802,7 +801,8 @@ static ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep,
                                        unsigned flags, gpucx_slot_t *slot,
                                        uint64_t spin_ns)
 {
-    ucs_status_t st = gpucx_am_send(ep, id, header, header_length, buf, len, memory_type, flags, slot);
+    ucs_status_t st = gpucx_am_send(ep, id, header, header_length, buf, len,
+                                    memory_type, flags, slot);
 
     return gpucx__wait_posted(worker, slot, st, spin_ns);
 }
