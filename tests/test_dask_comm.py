@@ -4,6 +4,7 @@ for the peers in other processes)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -44,6 +45,24 @@ async def echo(comm):
         pass
     finally:
         await comm.close()
+
+
+@contextlib.asynccontextmanager
+async def comm_to_peer(tls, mode):
+    """``(comm, proc)``: a comm to a spawned ``comm_server`` peer running
+    ``mode``, with ``distributed-gpucx.tls`` set to ``tls`` while it is
+    used; the peer process is killed at the end."""
+    ours, theirs = channel_pair()
+    proc = spawn(comm_server, tls, theirs, mode)
+    try:
+        _, addr = ours.get(30)
+        with dask.config.set({"distributed-gpucx.tls": tls}):
+            comm = await connect(addr, timeout=20)
+            ours.get(30)
+            yield comm, proc
+    finally:
+        proc.kill()
+        proc.join(10)
 
 
 async def get_pair(**kw):
@@ -374,64 +393,46 @@ async def test_encryption_is_refused():
 @pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
 @gen_test(timeout=60)
 async def test_peer_killed_fails_pending_read_and_write(tls):
-    ours, theirs = channel_pair()
-    proc = spawn(comm_server, tls, theirs, "silent")
-    try:
-        kind, addr = ours.get(30)
-        with dask.config.set({"distributed-gpucx.tls": tls}):
-            comm = await connect(addr, timeout=20)
-            ours.get(30)
-            # A peer on this host gets a data endpoint (shared memory).
-            assert comm._dep is not comm._ep
-            await comm._dep.aflush()
-            transports = {t for t, _ in comm._dep.transports}
-            if tls == "sm,tcp":
-                assert transports & {"sysv", "posix", "cma"}, transports
-            reader = asyncio.ensure_future(comm.read())
-            # 64 MiB the peer never receives: a rendezvous send left pending.
-            writer = asyncio.ensure_future(
-                comm.write({"x": to_serialize(np.ones(64 << 20, "u1"))})
-            )
-            await asyncio.sleep(0.2)
-            proc.kill()
-            t0 = time.monotonic()
-            for fut in (reader, writer):
-                with pytest.raises(CommClosedError):
-                    await asyncio.wait_for(fut, 10)
-            assert time.monotonic() - t0 < 3
-            assert comm.closed()
-            with pytest.raises(CommClosedError):
-                await comm.read()
-            await comm.close()
-    finally:
+    async with comm_to_peer(tls, "silent") as (comm, proc):
+        # A peer on this host gets a data endpoint (shared memory).
+        assert comm._dep is not comm._ep
+        await comm._dep.aflush()
+        transports = {t for t, _ in comm._dep.transports}
+        if tls == "sm,tcp":
+            assert transports & {"sysv", "posix", "cma"}, transports
+        reader = asyncio.ensure_future(comm.read())
+        # 64 MiB the peer never receives: a rendezvous send left pending.
+        writer = asyncio.ensure_future(
+            comm.write({"x": to_serialize(np.ones(64 << 20, "u1"))})
+        )
+        await asyncio.sleep(0.2)
         proc.kill()
-        proc.join(10)
+        t0 = time.monotonic()
+        for fut in (reader, writer):
+            with pytest.raises(CommClosedError):
+                await asyncio.wait_for(fut, 10)
+        assert time.monotonic() - t0 < 3
+        assert comm.closed()
+        with pytest.raises(CommClosedError):
+            await comm.read()
+        await comm.close()
 
 
 @pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
 @gen_test(timeout=60)
 async def test_peer_killed_mid_transfer_to_us(tls):
-    ours, theirs = channel_pair()
-    proc = spawn(comm_server, tls, theirs, "stream")
-    try:
-        _, addr = ours.get(30)
-        with dask.config.set({"distributed-gpucx.tls": tls}):
-            comm = await connect(addr, timeout=20)
-            ours.get(30)
-            got = await asyncio.wait_for(comm.read(), 20)
-            assert got["x"].nbytes == 64 << 20
-            reader = asyncio.ensure_future(comm.read())
-            await asyncio.sleep(0.01)
-            proc.kill()
-            with pytest.raises(CommClosedError):
-                # Whatever had fully arrived may still come; then it fails.
-                for _ in range(4):
-                    await asyncio.wait_for(reader, 10)
-                    reader = asyncio.ensure_future(comm.read())
-            await comm.close()
-    finally:
+    async with comm_to_peer(tls, "stream") as (comm, proc):
+        got = await asyncio.wait_for(comm.read(), 20)
+        assert got["x"].nbytes == 64 << 20
+        reader = asyncio.ensure_future(comm.read())
+        await asyncio.sleep(0.01)
         proc.kill()
-        proc.join(10)
+        with pytest.raises(CommClosedError):
+            # Whatever had fully arrived may still come; then it fails.
+            for _ in range(4):
+                await asyncio.wait_for(reader, 10)
+                reader = asyncio.ensure_future(comm.read())
+        await comm.close()
 
 
 def test_env_is_not_written(monkeypatch):
@@ -448,29 +449,20 @@ async def test_peer_process_closing_cleanly_delivers_everything_first(tls):
     """A peer process that writes and closes (and lives on): every message
     arrives before ``CommClosedError``, and the data endpoint to the live
     peer is closed normally, not failed."""
-    ours, theirs = channel_pair()
-    proc = spawn(comm_server, tls, theirs, "burst-close")
-    try:
-        _, addr = ours.get(30)
-        with dask.config.set({"distributed-gpucx.tls": tls}):
-            comm = await connect(addr, timeout=20)
-            ours.get(30)
-            dep = comm._dep.endpoint
-            await asyncio.sleep(0.5)  # the peer has written and closed by now
-            for i in range(20):
-                msg = await asyncio.wait_for(comm.read(), 10)
-                assert msg["i"] == i and int(msg["x"][0]) == i
-            with pytest.raises(CommClosedError):
-                await asyncio.wait_for(comm.read(), 10)
-            assert dep.error is None
-            lw = comm._lw
-            await comm.close()
-            for _ in range(50):
-                if dep._h is None:
-                    break
-                rt.sweep_parked(lw)
-                await asyncio.sleep(0.05)
-            assert dep._h is None and dep.error is None
-    finally:
-        proc.kill()
-        proc.join(10)
+    async with comm_to_peer(tls, "burst-close") as (comm, _):
+        dep = comm._dep.endpoint
+        await asyncio.sleep(0.5)  # the peer has written and closed by now
+        for i in range(20):
+            msg = await asyncio.wait_for(comm.read(), 10)
+            assert msg["i"] == i and int(msg["x"][0]) == i
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 10)
+        assert dep.error is None
+        lw = comm._lw
+        await comm.close()
+        for _ in range(50):
+            if dep._h is None:
+                break
+            rt.sweep_parked(lw)
+            await asyncio.sleep(0.05)
+        assert dep._h is None and dep.error is None
