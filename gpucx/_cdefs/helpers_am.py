@@ -35,7 +35,10 @@ typedef struct gpucx_am_group {
 } gpucx_am_group_t;
 
 static const unsigned GPUCX_AM_FLAG_RNDV;
-static const unsigned GPUCX_PROGRESS_DUE;
+static const unsigned GPUCX_DUE_AM;
+static const unsigned GPUCX_DUE_NOTIFY;
+static const unsigned GPUCX_DUE_DROPS;
+static const unsigned GPUCX_DUE;
 static const unsigned GPUCX_AM_SEND_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER;
 static const unsigned GPUCX_AM_SEND_RNDV;
@@ -49,6 +52,7 @@ void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
                     gpucx_qstat_t *queue);
 int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
 unsigned gpucx_progress(gpucx_worker_state_t *w);
+unsigned gpucx_due(const gpucx_worker_state_t *w);
 void gpucx_progress_watch(gpucx_worker_state_t *w, gpucx_am_state_t *am,
                           const gpucx_qstat_t *notify);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);

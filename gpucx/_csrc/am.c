@@ -682,27 +682,42 @@ static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
     return found;
 }
 
-/* Bit of gpucx_progress's result: Python has work after this progress. */
-static const unsigned GPUCX_PROGRESS_DUE = 1u << 31;
+/* Bits of gpucx_progress's and gpucx_due's results: what Python has to do
+ * after progress.  UCX's event count (the low bits) never comes near them. */
+static const unsigned GPUCX_DUE_AM     = 1u << 31; /* messages for handlers */
+static const unsigned GPUCX_DUE_NOTIFY = 1u << 30; /* notifications, handler set */
+static const unsigned GPUCX_DUE_DROPS  = 1u << 29; /* drops Python has not seen */
+static const unsigned GPUCX_DUE        = 7u << 29; /* any of them */
 
-/* Progress the worker once and say, in the same call, whether Python has
- * work to do after it: messages queued for handlers, notifications queued
- * for a handler, or drops Python has not looked at (what w->am and
- * w->notify point to; see gpucx_progress_watch).  Returns UCX's event
- * count, with GPUCX_PROGRESS_DUE set when there is such work.
- * Worker.progress is one C call with one argument this way (each cdata
- * argument costs cffi a type check).  The reads are unlocked: whatever
- * one misses, the next call sees. */
+/* The due bits of w (what w->am and w->notify point to; see
+ * gpucx_progress_watch).  The reads are unlocked: whatever one misses, the
+ * next look sees. */
+static unsigned gpucx_due(const gpucx_worker_state_t *w)
+{
+    const gpucx_am_state_t *st  = w->am;
+    unsigned                due = 0;
+
+    if (st != NULL) {
+        if (st->tail != 0) {
+            due |= GPUCX_DUE_AM;
+        }
+        if (st->drops != st->drops_seen) {
+            due |= GPUCX_DUE_DROPS;
+        }
+    }
+    if (w->notify != NULL && w->notify->count != 0) {
+        due |= GPUCX_DUE_NOTIFY;
+    }
+    return due;
+}
+
+/* Progress the worker once; returns UCX's event count with the due bits of
+ * what Python has to do after it.  Worker.progress is one C call with one
+ * argument this way (each cdata argument costs cffi a type check), and it
+ * reads no cffi field to know what to run. */
 static unsigned gpucx_progress(gpucx_worker_state_t *w)
 {
-    unsigned                n  = ucp_worker_progress(w->worker);
-    const gpucx_am_state_t *st = w->am;
-
-    if ((st != NULL && (st->tail != 0 || st->drops != st->drops_seen)) ||
-        (w->notify != NULL && w->notify->count != 0)) {
-        n |= GPUCX_PROGRESS_DUE;
-    }
-    return n;
+    return ucp_worker_progress(w->worker) | gpucx_due(w);
 }
 
 /* Point gpucx_progress at the worker's AM state and, while a notification
