@@ -98,7 +98,11 @@ class Worker(Handle):
     # -- progress -----------------------------------------------------------
 
     def progress(self) -> int:
-        """Progress outstanding communication once; return the event count.
+        """Progress outstanding communication; return the event count.
+
+        One call progresses UCX until it reports no more events (at most 16
+        rounds), then runs the handlers of the messages that arrived
+        meanwhile, in arrival order.
 
         Raises
         ------

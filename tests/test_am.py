@@ -520,6 +520,76 @@ def test_pool_is_bounded(pair):
     assert len(pair.b._am.free) == _am._POOL_MAX
 
 
+def test_record_of_a_message_not_kept_goes_back_when_its_handler_returns(pair):
+    """A handler that keeps nothing: the record is back in the pool right
+    after it (no finalizer), and the next message reuses it."""
+    am = pair.b._am
+    seen = []
+    pair.b.set_am_handler(9, lambda msg: seen.append((type(msg), id(msg._pair))))
+    for k in range(5):
+        pair.drive(pair.ab.am_send_nb(9, bytes([k]) * 64, proto="eager"))
+        pump(pair, lambda k=k: len(seen) == k + 1)
+        assert not am.held
+    assert {t for t, _ in seen} == {gpucx.AmMessage}
+    assert len({i for _, i in seen}) == 1  # one record, reused
+
+
+def test_kept_message_gives_its_record_back_when_collected(pair):
+    am = pair.b._am
+    got = collect(pair.b, 10)
+    pair.drive(pair.ab.am_send_nb(10, b"kept" * 16, proto="eager"))
+    pump(pair, lambda: got)
+    assert type(got[0]) is _am._KeptMessage
+    assert isinstance(got[0], gpucx.AmMessage)
+    assert len(am.held) == 1
+    assert bytes(got[0].data) == b"kept" * 16
+    del got[:]
+    assert not am.held
+
+
+def test_message_in_a_raising_handlers_traceback_stays_valid(pair):
+    """The exception's traceback holds the message: its data stays readable
+    until the exception is gone, then the record goes back."""
+    am = pair.b._am
+
+    def handler(msg):
+        raise KeyError(msg)
+
+    pair.b.set_am_handler(11, handler)
+    pair.drive(pair.ab.am_send_nb(11, b"boom" * 8, proto="eager"))
+    with pytest.raises(KeyError) as info:
+        pump(pair, lambda: False)
+    (msg,) = info.value.args
+    assert bytes(msg.data) == b"boom" * 8
+    assert len(am.held) == 1
+    del msg, info
+    assert not am.held
+
+
+def test_rendezvous_receive_hands_the_record_to_its_request(pair):
+    """After a rendezvous receive_into the request owns the record (its
+    completion slot) and gives it back once done; the message keeps its
+    header and its reply endpoint."""
+    am = pair.b._am
+    got = collect(pair.b, 12)
+    src = np.arange(1 << 16, dtype=np.uint8)
+    send = pair.ab.am_send_nb(12, src, header=b"h", proto="rndv", reply=True)
+    pump(pair, lambda: got)
+    msg = got.pop()
+    out = np.zeros_like(src)
+    req = msg.receive_into(out)
+    rec_pair = req._keep[1]
+    assert msg._pair is None and not am.held
+    assert all(p is not rec_pair for p in am.free)
+    (n, _) = pair.drive(req, send)
+    assert n == src.nbytes and np.array_equal(out, src)
+    assert any(p is rec_pair for p in am.free)
+    assert msg.header == b"h"
+    assert msg.reply_ep is not None
+    with pytest.raises(gpucx.AlreadyReceivedError):
+        msg.receive_into(out)
+
+
 def test_blocking_reply_inside_a_blocking_wait(tls):
     """A blocking recv sleeps; its wait runs an AM handler that replies with a
     blocking send.  The two blocking calls must not share a completion slot:

@@ -688,6 +688,14 @@ static const unsigned GPUCX_DUE_AM     = 1u << 31; /* messages for handlers */
 static const unsigned GPUCX_DUE_NOTIFY = 1u << 30; /* notifications, handler set */
 static const unsigned GPUCX_DUE_DROPS  = 1u << 29; /* drops Python has not seen */
 static const unsigned GPUCX_DUE        = 7u << 29; /* any of them */
+/* The most ucp_worker_progress calls one gpucx_progress makes: it goes on
+ * while UCX reports events, so that messages arriving back to back reach
+ * Python's handlers as one batch (one cold pass through the dispatch code
+ * for many messages, not one per message), and stops after this many so
+ * that one call stays short. */
+#ifndef GPUCX_PROGRESS_ROUNDS
+#define GPUCX_PROGRESS_ROUNDS 16
+#endif
 
 /* The due bits of w (what w->am and w->notify point to; see
  * gpucx_progress_watch).  The reads are unlocked: whatever one misses, the
@@ -711,13 +719,25 @@ static unsigned gpucx_due(const gpucx_worker_state_t *w)
     return due;
 }
 
-/* Progress the worker once; returns UCX's event count with the due bits of
- * what Python has to do after it.  Worker.progress is one C call with one
+/* Progress the worker until UCX reports no event, at most
+ * GPUCX_PROGRESS_ROUNDS times (UCX's own "while (ucp_worker_progress(w))"
+ * idiom, bounded); returns UCX's event count with the due bits of what
+ * Python has to do after it.  Worker.progress is one C call with one
  * argument this way (each cdata argument costs cffi a type check), and it
  * reads no cffi field to know what to run. */
 static unsigned gpucx_progress(gpucx_worker_state_t *w)
 {
-    return ucp_worker_progress(w->worker) | gpucx_due(w);
+    unsigned total = 0, n;
+    int      i;
+
+    for (i = 0; i < GPUCX_PROGRESS_ROUNDS; ++i) {
+        n = ucp_worker_progress(w->worker);
+        total += n;
+        if (n == 0) {
+            break;
+        }
+    }
+    return total | gpucx_due(w);
 }
 
 /* Point gpucx_progress at the worker's AM state and, while a notification

@@ -36,6 +36,7 @@ Rules:
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 
 from .. import _bounds
@@ -199,6 +200,20 @@ def _recycle(am: _AmWorker, pair, _ptr=None) -> None:
         am.free.append(pair)
 
 
+def _retire(msg) -> None:
+    """The message is garbage, or about to be: give its record back unless
+    views of its data (``ffi.gc``) or a receive (the request) own it."""
+    pair = msg._pair
+    if pair is not None and msg._desc is None:
+        _recycle(msg._am, pair)
+
+
+#: References to a message right after its handler returned when the
+#: handler kept none: dispatch's variable and getrefcount's argument.
+_UNKEPT = 2
+_refs = sys.getrefcount
+
+
 def dispatch(worker) -> None:
     """Run the handlers of queued messages, in arrival order.
 
@@ -225,7 +240,21 @@ def dispatch(worker) -> None:
             held[id(pair)] = pair
             msg = AmMessage(worker, pair, am)
             handler = handlers.get(msg.am_id)
-            if handler is None:
+            if handler is not None:
+                try:
+                    handler(msg)
+                except BaseException:
+                    msg.__class__ = _KeptMessage
+                    raise
+                # A message nothing kept gives its record back now, without
+                # a finalizer (about 0.4 us a message); one kept (queued,
+                # stored, in a traceback) gives it back when collected.
+                if msg._pair is not None:
+                    if _refs(msg) > _UNKEPT:
+                        msg.__class__ = _KeptMessage
+                    else:
+                        _retire(msg)
+            else:
                 # Once per id: a peer sending many must not make as many
                 # warnings.
                 if msg.am_id not in am.unhandled:
@@ -238,8 +267,7 @@ def dispatch(worker) -> None:
                         stacklevel=3,
                     )
                 msg._drop()
-                continue
-            handler(msg)
+                _retire(msg)
     finally:
         am.busy = False
 
@@ -268,6 +296,10 @@ class AmMessage:
     and every view of :attr:`data` are garbage; a rendezvous payload not
     received before then is discarded (the sender's request completes).
     Views of :attr:`data` must not outlive the worker.
+
+    A message the handler does not keep gives its record back as soon as
+    the handler returns; one it keeps (stores, queues) when it is
+    collected.
     """
 
     __slots__ = (
@@ -281,6 +313,7 @@ class AmMessage:
         "_am",
         "_desc",
         "_taken",
+        "_rh",
         "__weakref__",
     )
 
@@ -295,15 +328,13 @@ class AmMessage:
         self._worker = worker
         self._pair = pair
         self._am = am
-        # The record goes back to the pool when the message is collected
-        # (__del__), or, once .data made a view, when the last view is
-        # (ffi.gc).
+        # The record goes back to the pool when the handler returns without
+        # keeping the message (dispatch) or when the message is collected
+        # (_KeptMessage), or, once .data made a view, when the last view is
+        # (ffi.gc), or, once receive_into took a rendezvous payload, when
+        # the receive succeeds (_received).
         self._desc = None
         self._taken = False
-
-    def __del__(self) -> None:
-        if self._desc is None:  # else the views' ffi.gc recycles the record
-            _recycle(self._am, self._pair)
 
     def __repr__(self) -> str:
         proto = "rndv" if self.is_rndv else "eager"
@@ -315,14 +346,15 @@ class AmMessage:
     @property
     def _reply_h(self):
         """The raw reply ``ucp_ep_h`` (NULL when the sender sent none)."""
-        return self._pair[0].reply_ep
+        pair = self._pair
+        return pair[0].reply_ep if pair is not None else self._rh
 
     @property
     def reply_ep(self):
         """The :class:`~gpucx.Endpoint` to answer the sender on (messages
         sent with ``reply=True``), or None."""
         if self._reply_ep is None:
-            h = self._pair[0].reply_ep
+            h = self._reply_h
             if h != ffi.NULL:
                 self._reply_ep = self._worker._endpoint_for(h)
         return self._reply_ep
@@ -401,9 +433,11 @@ class AmMessage:
             exc.message_size = nbytes
             raise exc
         if self.is_rndv:
-            # The descriptor moves to the receive; the request holds this
-            # message so that its record (and slot) is not reused meanwhile.
-            rec, slot = self._pair
+            # The descriptor moves to the receive, and the record (its slot
+            # is the request's) to the request, which gives it back to the
+            # pool once the receive succeeded (_received).
+            pair = self._pair
+            rec, slot = pair
             if mt == _HOST and stream is None:
                 self._taken = True
                 lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
@@ -411,12 +445,17 @@ class AmMessage:
                 with _cuda.door(w, ptr, mt, stream, _RECV):
                     self._taken = True
                     lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+            am = self._am
             # The record holds nothing to give back now: recycling it needs
             # no C call.
-            self._am.held.pop(id(self._pair), None)
+            am.held.pop(id(pair), None)
+            self._rh = rec.reply_ep
+            self._pair = None
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
-            return Request(w, slot, (keep, self), _RECV, _nbytes, self._reply_ep, n)
+            return Request(
+                w, slot, (keep, pair, am), _RECV, _received, self._reply_ep, n
+            )
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
             if stream is not None:
@@ -440,13 +479,34 @@ class AmMessage:
         """Give the data back now (views made by .data keep it until they go)."""
         self._taken = True
         if self._desc is None:
-            _release(self._am, self._pair)
+            if self._pair is not None:
+                _release(self._am, self._pair)
         else:
             self._desc = False  # the views' ffi.gc recycles the record
 
 
+class _KeptMessage(AmMessage):
+    """An :class:`AmMessage` its handler kept: gives its record back when
+    collected (dispatch switches a kept message to this class)."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        _retire(self)
+
+
 def _nbytes(req) -> int:
     return req._slot.length
+
+
+def _received(req) -> int:
+    """Result of a rendezvous ``receive_into``: the byte count; the record
+    goes back to the pool (the request is done with its slot)."""
+    n = req._slot.length
+    _keep, pair, am = req._keep
+    if len(am.free) < _POOL_MAX and am.live[0] is not None:
+        am.free.append(pair)
+    return n
 
 
 # -- handlers and sends ----------------------------------------------------------
