@@ -11,6 +11,12 @@ receiver workers in one process, forced rendezvous, handler plus
     valgrind --tool=callgrind --callgrind-out-file=cg.1200 \\
         python benchmarks/am_instructions.py 1200
     # per message = (total of cg.1200 - total of cg.200) / 1000
+
+``--window W`` streams instead: W messages are sent back to back, the
+handler starts ``receive_into`` of each and keeps only the request (as a
+streaming receiver does), then both sides wait for the W; COUNT is rounded
+up to a multiple of W.  Set ``OPENBLAS_NUM_THREADS=1``: NumPy's idle BLAS
+threads otherwise add thousands of instructions a message at random.
 """
 
 from __future__ import annotations
@@ -24,15 +30,20 @@ import gpucx
 AM_ID = 7
 
 
-def run(count: int, size: int) -> None:
+def run(count: int, size: int, window: int = 1) -> None:
     with gpucx.Context(config={"TLS": "sm,self"}) as ctx:
         a, b = ctx.create_worker(), ctx.create_worker()
         ab = a.connect(b.address, error_handling=False)
         ba = b.connect(a.address, error_handling=False)
-        inbox: list = []
-        b.set_am_handler(AM_ID, inbox.append)
         sbuf = np.ones(size, np.uint8)
         rbuf = np.empty(size, np.uint8)
+        if window > 1:
+            stream(a, b, ab, sbuf, rbuf, -(-count // window), window)
+            ba.close()
+            ab.close()
+            return
+        inbox: list = []
+        b.set_am_handler(AM_ID, inbox.append)
         for _ in range(count):
             req = ab.am_send_nb(AM_ID, sbuf, proto="rndv")
             while not inbox:
@@ -45,12 +56,32 @@ def run(count: int, size: int) -> None:
         ab.close()
 
 
+def stream(a, b, ab, sbuf, rbuf, rounds: int, window: int) -> None:
+    """``rounds`` rounds of ``window`` messages sent back to back."""
+    recvs: list = []
+    b.set_am_handler(AM_ID, lambda msg: recvs.append(msg.receive_into(rbuf)))
+    for _ in range(rounds):
+        sends = [ab.am_send_nb(AM_ID, sbuf, proto="rndv") for _ in range(window)]
+        while len(recvs) < window:
+            b.progress()
+            a.progress()
+        for req in recvs:
+            req.wait(10)
+        for req in sends:
+            req.wait(10)
+        recvs.clear()
+    assert rbuf[0] == 1 and rbuf[-1] == 1
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("count", type=int, help="messages to send")
     p.add_argument("--size", type=int, default=8192, help="payload bytes")
+    p.add_argument(
+        "--window", type=int, default=1, help="messages per streamed round (1: ping)"
+    )
     args = p.parse_args()
-    run(args.count, args.size)
+    run(args.count, args.size, args.window)
 
 
 if __name__ == "__main__":

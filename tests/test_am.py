@@ -307,11 +307,27 @@ def test_receive_into_errors(pair):
     assert info.value.buffer_size == 10 and info.value.message_size == 1 << 20
     with pytest.raises(BufferError):
         msg.receive_into(bytes(1 << 20))  # read-only target
+    with pytest.raises(BufferError):
+        msg.receive_into(np.zeros(2 << 20, np.uint8)[::2])  # not contiguous
     out = np.zeros(1 << 20, np.uint8)
     pair.drive(msg.receive_into(out), req)
     with pytest.raises(gpucx.AlreadyReceivedError, match="already received"):
         msg.receive_into(out)
     assert out.all()
+
+
+@pytest.mark.parametrize("proto", ["eager", "rndv"])
+def test_receive_into_fortran_order_array(pair, proto):
+    """A Fortran-ordered array is contiguous memory: receive_into takes it
+    (the general buffer path, not the C-contiguous fast path)."""
+    got = collect(pair.b, 1)
+    src = np.arange(64 * 128, dtype=np.uint8)
+    req = pair.ab.am_send_nb(1, src, proto=proto)
+    pump(pair, lambda: got)
+    out = np.zeros((64, 128), np.uint8, order="F")
+    (n, _) = pair.drive(got[0].receive_into(out), req)
+    assert n == src.nbytes
+    assert np.array_equal(out.ravel(order="K"), src)
 
 
 def test_closed_endpoint_and_worker(ctx):

@@ -50,7 +50,7 @@ from ..errors import (
     check,
 )
 from ..mem import cuda as _cuda
-from ..mem.buffer import acquire
+from ..mem.buffer import _BUFFER_TYPES, _CHAR_ARRAY, _from_buffer, acquire
 from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..request import Request, block, finish, new_slot, posted, raise_status
@@ -421,7 +421,16 @@ class AmMessage:
             raise AlreadyReceivedError(
                 "the payload of this message was already received"
             )
-        ptr, n, mt, keep = acquire(buf, True, stream)
+        if stream is None and type(buf) in _BUFFER_TYPES:
+            # acquire's host fast path, inlined (a handler calls this once
+            # a message): the cdata holds the buffer export.
+            try:
+                ptr = keep = _from_buffer(_CHAR_ARRAY, buf, True)
+                n, mt = len(ptr), _HOST
+            except (ValueError, BufferError, TypeError):
+                ptr, n, mt, keep = acquire(buf, True, stream)  # explains
+        else:
+            ptr, n, mt, keep = acquire(buf, True, stream)
         nbytes = self.nbytes
         if n < nbytes:
             exc = MessageTruncatedError(
