@@ -208,9 +208,6 @@ def _retire(msg) -> None:
         _recycle(msg._am, pair)
 
 
-#: References to a message right after its handler returned when the
-#: handler kept none: dispatch's variable and getrefcount's argument.
-_UNKEPT = 2
 _refs = sys.getrefcount
 
 
@@ -241,6 +238,10 @@ def dispatch(worker) -> None:
             msg = AmMessage(worker, pair, am)
             handler = handlers.get(msg.am_id)
             if handler is not None:
+                # The count before the call, not a constant: how many
+                # references the interpreter's own stack holds varies
+                # between Python versions.
+                unkept = _refs(msg)
                 try:
                     handler(msg)
                 except BaseException:
@@ -250,7 +251,7 @@ def dispatch(worker) -> None:
                 # a finalizer (about 0.4 us a message); one kept (queued,
                 # stored, in a traceback) gives it back when collected.
                 if msg._pair is not None:
-                    if _refs(msg) > _UNKEPT:
+                    if _refs(msg) > unkept:
                         msg.__class__ = _KeptMessage
                     else:
                         _retire(msg)
