@@ -104,10 +104,15 @@ def test_listener_accept_gives_aio_endpoint():
                 peer_ctx = gpucx.Context(config={"TLS": "tcp"})
                 peer = peer_ctx.create_worker(thread_mode="multi")
                 with gpucx.aio.ProgressThread(peer):
-                    peer.connect(("127.0.0.1", lst.port))
+                    # Kept: an endpoint dropped here would flush-close at
+                    # once, blocking this thread (and srv) mid-wireup.
+                    pep = peer.connect(("127.0.0.1", lst.port))
                     ep = lst.accept(timeout=20)
                     assert isinstance(ep, gpucx.aio.Endpoint)
                     assert isinstance(ep.endpoint, gpucx.Endpoint)
+                # Nothing progresses srv during this synchronous close: its
+                # flush would wait out the default 10 s.
+                pep.close(force=True)
                 peer_ctx.close()
 
     asyncio.run(main())
