@@ -192,7 +192,8 @@ def _release(am: _AmWorker, pair) -> None:
 
 def _recycle(am: _AmWorker, pair, _ptr=None) -> None:
     # Once per message, when nothing can use its record any more: the
-    # message is garbage and so is every view of its data (ffi.gc).
+    # message is garbage and so is every view of its data (ffi.gc), or the
+    # rendezvous receive that took the record is done (_received).
     if lib is None:  # interpreter shutdown
         return
     _release(am, pair)
@@ -514,8 +515,7 @@ def _received(req) -> int:
     goes back to the pool (the request is done with its slot)."""
     n = req._slot.length
     _keep, pair, am = req._keep
-    if len(am.free) < _POOL_MAX and am.live[0] is not None:
-        am.free.append(pair)
+    _recycle(am, pair)
     return n
 
 
