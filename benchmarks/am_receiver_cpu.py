@@ -87,13 +87,14 @@ def _record(cmd: list[str], data: str) -> str:
     return out.stdout
 
 
-def run_gpucx(kind: str, messages: int, data: str) -> float:
-    """Record one gpucx_bw run of bench_am.py; returns its MiB/s."""
-    rounds = max(1, messages // 64)
+def _record_bench(call: str, data: str) -> float:
+    """Record ``bench_am.<call>`` (which returns MiB/s, or a tuple ending
+    with it) in a fresh interpreter; return the MiB/s."""
     code = (
         f"import sys; sys.path.insert(0, {str(HERE)!r}); import bench_am\n"
         "if __name__ == '__main__':\n"
-        f"    print(bench_am.gpucx_bw({MIB}, 64, {kind!r}, rounds={rounds}))\n"
+        f"    r = bench_am.{call}\n"
+        "    print(r[-1] if isinstance(r, tuple) else r)\n"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
         f.write(code)
@@ -103,23 +104,16 @@ def run_gpucx(kind: str, messages: int, data: str) -> float:
         os.unlink(f.name)
 
 
-def run_perftest(messages: int, data: str, port: int) -> float:
-    """Record one ucx_perftest ucp_am_bw run; returns its MiB/s."""
-    import libucx
+def run_gpucx(kind: str, messages: int, data: str) -> float:
+    """Record one gpucx_bw run of bench_am.py; returns its MiB/s."""
+    rounds = max(1, messages // 64)
+    return _record_bench(f"gpucx_bw({MIB}, 64, {kind!r}, rounds={rounds})", data)
 
-    root = pathlib.Path(libucx.__file__).resolve().parent
-    exe = root / "bin" / "ucx_perftest"
-    args = f"-t ucp_am_bw -s {MIB} -n {messages} -p {port}"
-    script = (
-        f"export LD_LIBRARY_PATH={root / 'lib'}\n"
-        f"{exe} {args} >/dev/null 2>&1 & s=$!\n"
-        f"for i in $(seq 50); do sleep 0.2; "
-        f"{exe} localhost {args} && break; done\n"
-        "wait $s\n"
-    )
-    out = _record(["bash", "-c", script], data)
-    final = [ln for ln in out.splitlines() if ln.startswith("Final:")][-1]
-    return float(final.split()[6])
+
+def run_perftest(messages: int, data: str, port: int) -> float:
+    """Record one ucx_perftest ucp_am_bw run (bench_am's launcher); returns
+    its MiB/s."""
+    return _record_bench(f"_perftest('ucp_am_bw', {MIB}, {messages}, {port})", data)
 
 
 def main() -> None:
