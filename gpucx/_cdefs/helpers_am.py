@@ -10,6 +10,7 @@ typedef struct gpucx_am_msg {
     ucp_ep_h reply_ep;
     void *header;
     size_t header_length;
+    int status;
     ...;
 } gpucx_am_msg_t;
 
@@ -29,12 +30,16 @@ typedef struct gpucx_am_reg {
     ...;
 } gpucx_am_reg_t;
 
+typedef struct gpucx_am_pool gpucx_am_pool_t;
+
 typedef struct gpucx_am_group {
     gpucx_slot_t slot;
     ...;
 } gpucx_am_group_t;
 
 static const unsigned GPUCX_AM_FLAG_RNDV;
+static const uint64_t GPUCX_AM_FLAG_POOLED;
+static const uint64_t GPUCX_AM_FLAG_FAILED;
 static const unsigned GPUCX_DUE_AM;
 static const unsigned GPUCX_DUE_NOTIFY;
 static const unsigned GPUCX_DUE_DROPS;
@@ -78,6 +83,12 @@ ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,
                                 void *buf, size_t len, gpucx_slot_t *slot,
                                 uint64_t spin_ns);
 unsigned gpucx_am_kept(gpucx_am_reg_t *reg);
+gpucx_am_pool_t *gpucx_am_pool_new(gpucx_am_state_t *st, void **bufs,
+                                   const size_t *lens, unsigned n);
+void gpucx_am_pool_free(gpucx_am_pool_t *pool);
+gpucx_am_pool_t *gpucx_am_set_pool(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool);
+unsigned gpucx_am_pool_busy(gpucx_am_pool_t *pool);
+void gpucx_am_pool_close(gpucx_am_pool_t *pool);
 ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m, void *buf,
                                int memory_type, gpucx_slot_t *slot);
 """

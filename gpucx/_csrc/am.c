@@ -17,13 +17,17 @@
 
 typedef struct gpucx_am_msg {
     unsigned  id;
-    int       owned;         /* 1: data is a malloc'ed copy, not a UCX desc */
+    int       owned;         /* 1: data is a malloc'ed copy, not a UCX desc;
+                              * 2: a buffer of the id's receive pool */
     uint64_t  flags;         /* ucp_am_recv_param_t.recv_attr */
     void     *data;          /* eager data or rendezvous descriptor */
     size_t    length;
     ucp_ep_h  reply_ep;      /* NULL unless the sender asked for a reply ep */
     void     *header;        /* malloc'ed copy, NULL when header_length == 0 */
     size_t    header_length;
+    int       status;        /* of the receive into a pool buffer (owned 2) */
+    struct gpucx_am_pool *pool; /* owned 2: data is pool->bufs[index] */
+    unsigned  index;
 } gpucx_am_msg_t;
 
 typedef struct gpucx_am_state {
@@ -66,6 +70,38 @@ typedef struct gpucx_am_post {
     gpucx_am_group_t *group; /* NULL for a receive posted alone */
 } gpucx_am_post_t;
 
+/* A rendezvous message received into a pool buffer before its handler
+ * runs: the record it is queued with once the receive is done. */
+typedef struct gpucx_am_pend {
+    gpucx_am_msg_t        msg;
+    struct gpucx_am_pool *pool;
+} gpucx_am_pend_t;
+
+/* The buffers an id's handler receives rendezvous payloads into
+ * (set_am_handler(..., into=bufs)).  The UCX callback takes the first free
+ * buffer the payload fits and starts the receive at once; the message goes
+ * to the dispatch queue when its payload is in, and the buffer is free
+ * again when Python releases the message.  busy, nfree and closed are
+ * guarded by state->lock; pend[i] belongs to the message in
+ * bufs[i] while busy[i]. */
+typedef struct gpucx_am_pool {
+    gpucx_am_state_t *state;
+    unsigned          n;
+    unsigned          nfree;
+    int               closed;    /* the worker is closing: queue nothing */
+    size_t            max_len;   /* of the largest buffer */
+    void            **bufs;
+    size_t           *lens;
+    unsigned char    *busy;
+    gpucx_am_pend_t  *pend;
+    /* Messages waiting for a free buffer they fit, oldest first; never
+     * longer than max_len.  Empty while every buffer is free. */
+    gpucx_am_msg_t   *wq;
+    unsigned          whead;
+    unsigned          wtail;
+    unsigned          wcap;
+} gpucx_am_pool_t;
+
 /* One per registered AM id: the callback does not get the id from UCX.
  * posts[phead, ptail) are the receives posted for the id, oldest first
  * (guarded by state->lock). */
@@ -85,6 +121,7 @@ typedef struct gpucx_am_reg {
     unsigned          khead;
     unsigned          ktail;
     unsigned          kcap;
+    gpucx_am_pool_t  *pool;  /* NULL: rendezvous payloads wait at the sender */
 } gpucx_am_reg_t;
 
 /* slot->kind of a posted AM receive not yet matched (slot->value holds its
@@ -110,14 +147,21 @@ static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
 }
 
 static const unsigned GPUCX_AM_FLAG_RNDV = UCP_AM_RECV_ATTR_FLAG_RNDV;
+/* Flags of a message received into a pool buffer (its RNDV flag cleared:
+ * the payload is here), and of one whose receive failed (status says why).
+ * UCX's receive attributes use the low bits only. */
+static const uint64_t GPUCX_AM_FLAG_POOLED = 1ull << 62;
+static const uint64_t GPUCX_AM_FLAG_FAILED = 1ull << 63;
 
 /* The bytes a queued message holds here, for the byte caps: its header
- * copy and eager data (a rendezvous payload stays at the sender). */
+ * copy and eager data (a rendezvous payload stays at the sender, a pooled
+ * one is in the user's buffer). */
 static inline size_t gpucx__am_charge(uint64_t attr, size_t length,
                                       size_t header_length)
 {
     return header_length +
-           ((attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? 0 : length);
+           ((attr & (UCP_AM_RECV_ATTR_FLAG_RNDV | GPUCX_AM_FLAG_POOLED)) ? 0
+                                                                        : length);
 }
 
 static inline size_t gpucx__am_msg_charge(const gpucx_am_msg_t *m)
@@ -265,6 +309,192 @@ static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
     return UCS_OK;
 }
 
+/* The receive into pool buffer p->msg.index ended with status: queue the
+ * message for its handler, or, while the worker closes, free the buffer. */
+static void gpucx__am_pool_done(gpucx_am_pend_t *p, ucs_status_t status)
+{
+    gpucx_am_pool_t  *pool = p->pool;
+    gpucx_am_state_t *st   = pool->state;
+    gpucx_am_msg_t   *m    = &p->msg;
+
+    m->status = status;
+    if (status != UCS_OK) {
+        m->flags |= GPUCX_AM_FLAG_FAILED;
+    }
+    pthread_mutex_lock(&st->lock);
+    if (!pool->closed && gpucx__amq_reserve(st)) {
+        st->q[st->tail++] = *m;
+        pthread_mutex_unlock(&st->lock);
+        return;
+    }
+    /* Admitted at arrival: it leaves the queue's counters unqueued. */
+    gpucx__qstat_leave(&st->queue, m->header_length);
+    if (!pool->closed) {
+        st->queue.dropped++;
+        st->queue.dropped_bytes += m->header_length;
+        __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+    }
+    pool->busy[m->index] = 0;
+    pool->nfree++;
+    pthread_mutex_unlock(&st->lock);
+    free(m->header);
+    m->header = NULL;
+}
+
+static void gpucx__am_pool_cb(void *request, ucs_status_t status,
+                              size_t length, void *user_data)
+{
+    (void)length;
+    ucp_request_free(request);
+    gpucx__am_pool_done((gpucx_am_pend_t *)user_data, status);
+}
+
+/* Receive the rendezvous message w (w->data its descriptor) into pool
+ * buffer i, which the caller marked busy (lock not held). */
+static void gpucx__am_pool_start(gpucx_am_pool_t *pool, unsigned i,
+                                 const gpucx_am_msg_t *w)
+{
+    gpucx_am_pend_t    *p = &pool->pend[i];
+    gpucx_am_msg_t     *m = &p->msg;
+    ucp_request_param_t rp;
+    ucs_status_ptr_t    r;
+
+    p->pool         = pool;
+    *m              = *w;
+    m->owned        = 2;
+    m->flags        = (w->flags & ~(uint64_t)UCP_AM_RECV_ATTR_FLAG_RNDV) |
+                      GPUCX_AM_FLAG_POOLED;
+    m->data         = pool->bufs[i];
+    m->status       = UCS_INPROGRESS;
+    m->pool         = pool;
+    m->index        = i;
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    rp.cb.recv_am   = gpucx__am_pool_cb;
+    rp.user_data    = p;
+    rp.memory_type  = UCS_MEMORY_TYPE_HOST;
+    r = ucp_am_recv_data_nbx(pool->state->worker, w->data, m->data, w->length,
+                             &rp);
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        gpucx__am_pool_done(p, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
+    }
+}
+
+/* The first free buffer of pool that length fits (lock held); pool->n when
+ * none is free. */
+static unsigned gpucx__am_pool_find(const gpucx_am_pool_t *pool, size_t length)
+{
+    unsigned i;
+
+    for (i = 0; pool->nfree != 0 && i < pool->n; i++) {
+        if (!pool->busy[i] && pool->lens[i] >= length) {
+            return i;
+        }
+    }
+    return pool->n;
+}
+
+/* A rendezvous message of an id with a receive pool: receive it into the
+ * first free buffer it fits, or, when they are all busy, keep it waiting
+ * (in arrival order) for one to be given back.  Returns
+ * UCS_ERR_NO_RESOURCE when no buffer of the pool is large enough (the
+ * message is then queued as without a pool), else what the UCX callback
+ * returns. */
+static ucs_status_t gpucx__am_pool_recv(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool,
+                                        const void *header, size_t header_length,
+                                        void *data, size_t length,
+                                        const ucp_am_recv_param_t *param)
+{
+    gpucx_am_state_t *st = reg->state;
+    gpucx_am_msg_t    w;
+    unsigned          i;
+
+    /* reg->pool is checked under the lock: once set_pool replaced it, the
+     * old pool may be freed (the caller read it unlocked). */
+    if (length > pool->max_len) {
+        return UCS_ERR_NO_RESOURCE;
+    }
+    memset(&w, 0, sizeof(w));
+    w.id            = reg->id;
+    w.flags         = param->recv_attr;
+    w.data          = data;
+    w.length        = length;
+    w.reply_ep      = (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
+                          ? param->reply_ep
+                          : NULL;
+    w.header_length = header_length;
+    if (header_length != 0) {
+        if ((w.header = malloc(header_length)) == NULL) {
+            return UCS_ERR_NO_RESOURCE; /* the usual path drops it, counted */
+        }
+        memcpy(w.header, header, header_length);
+    }
+    pthread_mutex_lock(&st->lock);
+    if (reg->pool != pool) {
+        pthread_mutex_unlock(&st->lock);
+        free(w.header);
+        return UCS_ERR_NO_RESOURCE;
+    }
+    /* It counts as queued from now: the queue's caps bound the receives
+     * waiting and in flight too (the payload is in the user's memory). */
+    if (!gpucx__qstat_admit(&st->queue, header_length, &st->drops)) {
+        pthread_mutex_unlock(&st->lock);
+        free(w.header);
+        return UCS_OK; /* never fetched: the sender completes */
+    }
+    i = gpucx__am_pool_find(pool, length);
+    if (i == pool->n) {
+        if (!gpucx__msgq_reserve(&pool->wq, &pool->whead, &pool->wtail,
+                                 &pool->wcap)) {
+            gpucx__qstat_leave(&st->queue, header_length);
+            st->queue.dropped++;
+            st->queue.dropped_bytes += header_length;
+            __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+            pthread_mutex_unlock(&st->lock);
+            free(w.header);
+            return UCS_ERR_NO_MEMORY; /* fails the sender */
+        }
+        pool->wq[pool->wtail++] = w;
+        pthread_mutex_unlock(&st->lock);
+        return UCS_INPROGRESS; /* the descriptor waits for a buffer */
+    }
+    pool->busy[i] = 1;
+    pool->nfree--;
+    pthread_mutex_unlock(&st->lock);
+    gpucx__am_pool_start(pool, i, &w);
+    return UCS_INPROGRESS; /* the descriptor now belongs to the receive */
+}
+
+/* Give pool buffer i back: the oldest waiting message it fits is received
+ * into it at once (worker NULL: the worker is gone, nothing starts). */
+static void gpucx__am_pool_put(ucp_worker_h worker, gpucx_am_pool_t *pool,
+                               unsigned i)
+{
+    gpucx_am_state_t *st = pool->state;
+    gpucx_am_msg_t    w;
+    unsigned          k;
+
+    pthread_mutex_lock(&st->lock);
+    if (worker != NULL && !pool->closed) {
+        for (k = pool->whead; k < pool->wtail; k++) {
+            if (pool->wq[k].length <= pool->lens[i]) {
+                w = pool->wq[k];
+                memmove(pool->wq + k, pool->wq + k + 1,
+                        (pool->wtail - k - 1) * sizeof(gpucx_am_msg_t));
+                if (--pool->wtail == pool->whead) {
+                    pool->whead = pool->wtail = 0;
+                }
+                pthread_mutex_unlock(&st->lock);
+                gpucx__am_pool_start(pool, i, &w); /* stays busy */
+                return;
+            }
+        }
+    }
+    pool->busy[i] = 0;
+    pool->nfree++;
+    pthread_mutex_unlock(&st->lock);
+}
+
 static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
                                       size_t header_length, void *data,
                                       size_t length,
@@ -287,6 +517,15 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
             return gpucx__am_deliver(reg, data, length, attr);
         }
         pthread_mutex_unlock(&st->lock);
+    }
+    if ((attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && reg->pool != NULL) {
+        /* Unlocked read: set_pool's change reaches the next message. */
+        ucs_status_t s = gpucx__am_pool_recv(reg, reg->pool, header,
+                                             header_length, data, length,
+                                             param);
+        if (s != UCS_ERR_NO_RESOURCE) {
+            return s;
+        }
     }
     if (header_length != 0) {
         hdr = malloc(header_length);
@@ -407,6 +646,7 @@ static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
 }
 
 static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
+static void gpucx_am_pool_free(gpucx_am_pool_t *pool);
 
 static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                                   gpucx_slot_t *slot);
@@ -633,6 +873,97 @@ static unsigned gpucx_am_kept(gpucx_am_reg_t *reg)
     return reg->ktail - reg->khead;
 }
 
+/* A receive pool of n buffers (bufs, lens copied) for st's ids; NULL when
+ * out of memory.  Freed with gpucx_am_pool_free. */
+static gpucx_am_pool_t *gpucx_am_pool_new(gpucx_am_state_t *st, void **bufs,
+                                          const size_t *lens, unsigned n)
+{
+    gpucx_am_pool_t *pool = (gpucx_am_pool_t *)calloc(1, sizeof(*pool));
+    unsigned         i;
+
+    if (pool == NULL) {
+        return NULL;
+    }
+    pool->bufs = (void **)malloc(n * sizeof(void *));
+    pool->lens = (size_t *)malloc(n * sizeof(size_t));
+    pool->busy = (unsigned char *)calloc(n, 1);
+    pool->pend = (gpucx_am_pend_t *)calloc(n, sizeof(gpucx_am_pend_t));
+    if (pool->bufs == NULL || pool->lens == NULL || pool->busy == NULL ||
+        pool->pend == NULL) {
+        gpucx_am_pool_free(pool);
+        return NULL;
+    }
+    memcpy(pool->bufs, bufs, n * sizeof(void *));
+    memcpy(pool->lens, lens, n * sizeof(size_t));
+    for (i = 0; i < n; i++) {
+        if (lens[i] > pool->max_len) {
+            pool->max_len = lens[i];
+        }
+    }
+    pool->state = st;
+    pool->n     = n;
+    pool->nfree = n;
+    return pool;
+}
+
+static void gpucx_am_pool_free(gpucx_am_pool_t *pool)
+{
+    if (pool != NULL) {
+        free(pool->bufs);
+        free(pool->lens);
+        free(pool->busy);
+        free(pool->pend);
+        free(pool->wq);
+        free(pool);
+    }
+}
+
+/* Receive reg's rendezvous messages into pool from the next one on (NULL:
+ * leave them at the sender for receive_into).  Returns the pool it
+ * replaces. */
+static gpucx_am_pool_t *gpucx_am_set_pool(gpucx_am_reg_t *reg,
+                                          gpucx_am_pool_t *pool)
+{
+    gpucx_am_pool_t *old;
+
+    pthread_mutex_lock(&reg->state->lock);
+    old       = reg->pool;
+    reg->pool = pool;
+    pthread_mutex_unlock(&reg->state->lock);
+    return old;
+}
+
+/* Buffers of pool holding a message (receiving, queued or held). */
+static unsigned gpucx_am_pool_busy(gpucx_am_pool_t *pool)
+{
+    unsigned n;
+
+    pthread_mutex_lock(&pool->state->lock);
+    n = pool->n - pool->nfree;
+    pthread_mutex_unlock(&pool->state->lock);
+    return n;
+}
+
+/* The worker closes (before ucp_worker_destroy): messages waiting for a
+ * buffer are dropped, and receives into pool that end from now on
+ * (cancelled by ucp_worker_destroy) free their buffer instead of
+ * queueing. */
+static void gpucx_am_pool_close(gpucx_am_pool_t *pool)
+{
+    gpucx_am_state_t *st = pool->state;
+    unsigned          k;
+
+    pthread_mutex_lock(&st->lock);
+    pool->closed = 1;
+    for (k = pool->whead; k < pool->wtail; k++) {
+        gpucx__qstat_leave(&st->queue, pool->wq[k].header_length);
+        pool->wq[k].owned = 0;
+        gpucx_am_release(st->worker, &pool->wq[k]);
+    }
+    pool->whead = pool->wtail = 0;
+    pthread_mutex_unlock(&st->lock);
+}
+
 /* Cancel every receive still posted for reg's id, drop the kept messages
  * and free both lists (worker close). */
 static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
@@ -776,7 +1107,9 @@ static void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
 static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m)
 {
     if (m->data != NULL) {
-        if (m->owned) {
+        if (m->owned == 2) {
+            gpucx__am_pool_put(worker, m->pool, m->index);
+        } else if (m->owned) {
             free(m->data);
         } else if (worker != NULL) {
             ucp_am_data_release(worker, m->data);

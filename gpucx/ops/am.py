@@ -79,6 +79,7 @@ ARRAY_AM_ID = 0xFF10
 _PROTO = {None: 0, "eager": lib.GPUCX_AM_SEND_EAGER, "rndv": lib.GPUCX_AM_SEND_RNDV}
 _REPLY = lib.GPUCX_AM_SEND_REPLY
 _RNDV = lib.GPUCX_AM_FLAG_RNDV
+_FAILED = lib.GPUCX_AM_FLAG_FAILED  # the highest flag bit: flags >= _FAILED
 _SEND = "am send"
 _RECV = "am receive"
 
@@ -104,6 +105,8 @@ class _AmWorker:
         "array_stats",
         "warn_at",
         "unhandled",
+        "pools",
+        "old_pools",
     )
 
     def __init__(self, worker):
@@ -129,6 +132,11 @@ class _AmWorker:
         # Ids used with posted receives: without a handler, their messages
         # that find no posted receive are kept for the next one (C side).
         self.recv_ids: set = set()
+        # Receive pools (set_am_handler(..., into=)): am_id -> (pool, keeps)
+        # for the pools in use, and replaced ones that still held messages
+        # when they were replaced (freed once idle, or with the worker).
+        self.pools: dict = {}
+        self.old_pools: list = []
 
 
 #: Idle message records a worker keeps for reuse.
@@ -159,6 +167,10 @@ def detach(worker) -> None:
     am = worker._am
     for reg in am.regs.values():
         lib.gpucx_am_unpost_all(reg)
+    # Receives into pool buffers that ucp_worker_destroy cancels give their
+    # buffer back instead of queueing (the pools live as long as ``am``).
+    for pool, _keeps in [*am.pools.values(), *am.old_pools]:
+        lib.gpucx_am_pool_close(pool)
     lib.gpucx_am_drain(am.state)
     # Messages Python still holds give their UCX buffers back now (UCX frees
     # its pools with the worker); views of their data must not be used after.
@@ -297,6 +309,11 @@ class AmMessage:
     Eager payloads stay in UCX's receive buffer (no copy) until the message
     and every view of :attr:`data` are garbage; a rendezvous payload not
     received before then is discarded (the sender's request completes).
+    With a receive pool (``set_am_handler(..., into=bufs)``) a rendezvous
+    payload that fits a free buffer is received before the handler runs:
+    the message then reads as eager (``is_rndv`` False, :attr:`data` a view
+    of the pool buffer), and the buffer is free again once the message and
+    every view of :attr:`data` are garbage.
     Views of :attr:`data` must not outlive the worker.
 
     A message the handler does not keep gives its record back as soon as
@@ -325,7 +342,8 @@ class AmMessage:
         n = rec.header_length  # C copied a header of n > 0 bytes
         self.header = ffi.buffer(rec.header, n)[:] if n else b""
         self.nbytes = rec.length
-        self.is_rndv = (rec.flags & _RNDV) != 0
+        flags = rec.flags
+        self.is_rndv = (flags & _RNDV) != 0
         self._reply_ep = None
         self._worker = worker
         self._pair = pair
@@ -336,7 +354,9 @@ class AmMessage:
         # (ffi.gc), or, once receive_into took a rendezvous payload, when
         # the receive succeeds (_received).
         self._desc = None
-        self._taken = False
+        # True once received; the status of a failed receive into the
+        # handler's pool (set_am_handler(..., into=)).
+        self._taken = rec.status if flags >= _FAILED else False
 
     def __repr__(self) -> str:
         proto = "rndv" if self.is_rndv else "eager"
@@ -363,7 +383,9 @@ class AmMessage:
 
     @property
     def data(self) -> memoryview:
-        """The eager payload, read-only, without a copy.
+        """The payload, read-only, without a copy: an eager payload in
+        UCX's receive buffer, or one received into a buffer of the
+        handler's pool (``set_am_handler(..., into=bufs)``).
 
         Raises
         ------
@@ -371,15 +393,16 @@ class AmMessage:
             For a rendezvous message (use :meth:`receive_into`).
         gpucx.AlreadyReceivedError
             If the payload was already received.
+        gpucx.UCXError
+            If the receive into the handler's pool failed
+            (:class:`~gpucx.PeerError` when the sender died during it).
         """
         if self.is_rndv:
             raise ValueError(
                 "a rendezvous active message has no data yet: use receive_into(buf)"
             )
         if self._taken:
-            raise AlreadyReceivedError(
-                "the payload of this message was already received"
-            )
+            self._no_payload()
         desc = self._desc
         if desc is None:
             # From now on the last view (not the message) recycles the record.
@@ -408,6 +431,8 @@ class AmMessage:
             If ``buf`` is smaller than the payload.
         gpucx.AlreadyReceivedError
             If the payload was already received.
+        gpucx.UCXError
+            If the receive into the handler's pool failed (see :attr:`data`).
         BufferError
             If ``buf`` is read-only or not contiguous.
         gpucx.UnsupportedError
@@ -420,9 +445,7 @@ class AmMessage:
         if w._h is None:
             raise_closed(w)
         if self._taken:
-            raise AlreadyReceivedError(
-                "the payload of this message was already received"
-            )
+            self._no_payload()
         if stream is None and type(buf) in _BUFFER_TYPES:
             # acquire's host fast path, inlined (a handler calls this once
             # a message): the cdata holds the buffer export.
@@ -486,6 +509,14 @@ class AmMessage:
         slot.length = nbytes
         return Request(w, slot, None, _RECV, _nbytes, None, n)
 
+    def _no_payload(self):
+        taken = self._taken
+        if taken is True:
+            raise AlreadyReceivedError(
+                "the payload of this message was already received"
+            )
+        raise_status(taken, f"{_RECV} into the handler's pool ({self.nbytes} bytes)")
+
     def _drop(self) -> None:
         """Give the data back now (views made by .data keep it until they go)."""
         self._taken = True
@@ -532,21 +563,46 @@ def _check_id(am_id) -> None:
         )
 
 
-def set_am_handler(worker, am_id: int, handler) -> None:
+def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
     """Run ``handler(msg: AmMessage)`` for each active message sent to
     ``am_id`` (``None`` clears it; later messages for the id are dropped
     with a warning, or kept for posted receives once the id was used with
     them).  Replacing a handler takes effect for the next message; messages
     kept for posted receives go to a handler set afterwards, in order.
 
+    Parameters
+    ----------
+    into : sequence of buffers, optional
+        A receive pool: writable, contiguous host buffers (NumPy arrays,
+        ``bytearray``, :meth:`Context.allocate` memory...).  A rendezvous
+        payload that fits a free buffer is received into it in the UCX
+        callback, before the handler runs, with no Python in between (the
+        ucxx allocator model, without calling Python inside progress): the
+        handler gets a message whose :attr:`AmMessage.data` is a read-only
+        view of the buffer, and the buffer is free again once the message
+        and its views are garbage.  A payload that fits no free buffer, and
+        every eager payload, comes as without a pool.  Such a message
+        reaches the handler once its payload is in, so it may come after
+        messages sent later.  gpucx holds the buffers until the pool is
+        replaced (``into=None`` or another pool) and idle, or the worker
+        closes (a replaced pool whose buffers still hold messages is let
+        go by a later ``set_am_handler`` call once they are free); do not
+        write to a buffer meanwhile.  The first free buffer the payload
+        fits is taken, in the order given.
+
     Raises
     ------
     ValueError
-        For an id outside 0..0xFEFF (0xFF00..0xFFFF are reserved).
+        For an id outside 0..0xFEFF (0xFF00..0xFFFF are reserved), an empty
+        ``into``, or ``into`` without a handler.
     TypeError
-        If ``handler`` is neither callable nor None.
+        If ``handler`` is neither callable nor None, or ``into`` is not a
+        sequence.
+    BufferError
+        If a buffer of ``into`` is read-only or not contiguous.
     gpucx.UnsupportedError
-        If the context was created without the ``"am"`` feature.
+        If the context was created without the ``"am"`` feature, or for a
+        buffer of ``into`` in memory other than host memory.
     gpucx.ClosedError
         If the worker is closed.
     """
@@ -558,11 +614,68 @@ def set_am_handler(worker, am_id: int, handler) -> None:
     am = worker._am
     if not am.enabled:
         _no_am()
+    pool = None
+    if into is not None:
+        if handler is None:
+            raise ValueError("set_am_handler: into= needs a handler")
+        pool = _new_pool(am, into)
     _install(am, am_id, handler)
+    if pool is not None or am_id in am.pools:
+        _set_pool(am, am_id, pool)
     if am_id in am.recv_ids:
         # With a handler, kept messages move to the dispatch queue for it;
         # without one, the id's messages are kept for receives again.
         lib.gpucx_am_set_keep(am.regs[am_id], 1 if handler is None else 0)
+
+
+def _new_pool(am: _AmWorker, into):
+    """A C receive pool of the buffers of ``into``: ``(pool, keepalives)``."""
+    try:
+        bufs = list(into)
+    except TypeError:
+        raise TypeError(
+            f"set_am_handler: into must be a sequence of buffers, not "
+            f"{type(into).__name__}"
+        ) from None
+    if not bufs:
+        raise ValueError("set_am_handler: into holds no buffer")
+    ptrs, lens, keeps = [], [], []
+    for i, buf in enumerate(bufs):
+        try:
+            ptr, n, mt, keep = acquire(buf, True, None)
+            if mt != _HOST:
+                raise UnsupportedError(
+                    "a receive pool takes host memory; receive device memory "
+                    "with AmMessage.receive_into"
+                )
+        except (TypeError, ValueError, BufferError, UCXError) as exc:
+            exc.args = (f"set_am_handler: into[{i}]: {exc}", *exc.args[1:])
+            raise
+        ptrs.append(ptr)
+        lens.append(n)
+        keeps.append((buf, keep))
+    pool = lib.gpucx_am_pool_new(
+        am.state, ffi.new(_PTRS, ptrs), ffi.new(_SIZES, lens), len(bufs)
+    )
+    if pool == ffi.NULL:
+        raise MemoryError("set_am_handler: no memory for the receive pool")
+    return ffi.gc(pool, lib.gpucx_am_pool_free), keeps
+
+
+def _set_pool(am: _AmWorker, am_id: int, pool) -> None:
+    """Receive ``am_id``'s rendezvous payloads into ``pool`` ((pool,
+    keepalives) or None) from the next message on.  A replaced pool is
+    freed, with its buffers, once none of them holds a message."""
+    reg = am.regs[am_id]
+    lib.gpucx_am_set_pool(reg, pool[0] if pool is not None else ffi.NULL)
+    old = am.pools.pop(am_id, None)
+    if pool is not None:
+        am.pools[am_id] = pool
+    if old is not None:
+        am.old_pools.append(old)
+    # The C callback checks reg->pool under the lock before it touches a
+    # pool, so an idle replaced one can go now.
+    am.old_pools = [p for p in am.old_pools if lib.gpucx_am_pool_busy(p[0])]
 
 
 def _install(am, am_id: int, handler) -> None:
