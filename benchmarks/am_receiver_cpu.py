@@ -12,7 +12,9 @@ kernel's CMA copy) are sorted into the copy, Python (libpython, cffi), UCX
 and gpucx's C, and the rest, over the middle 80 % of its copying period.
 
 Receivers: ``handler`` (a handler per message calls ``receive_into``, the
-bench_am.py server), ``posted`` (receives posted ahead with
+bench_am.py server), ``pool`` (a handler with a receive pool,
+``set_am_handler(..., into=bufs)``: the UCX callback starts each receive),
+``posted`` (receives posted ahead with
 ``am_recv_nb``) and ``ucx_perftest -t ucp_am_bw`` (its receive callback
 posts the receive in C).
 
@@ -127,7 +129,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.runs):
-            for name in ("handler", "posted", "perftest"):
+            for name in ("handler", "pool", "posted", "perftest"):
                 data = os.path.join(tmp, f"{name}.{r}.data")
                 if name == "perftest":
                     bw = run_perftest(a.messages, data, a.port + r)

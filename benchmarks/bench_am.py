@@ -7,8 +7,10 @@ Measures between two processes on this host (default UCX transports):
   handler per message on both sides, and with blocking ``am_send`` then
   blocking ``am_recv`` (posted receives, no handler);
 * AM bandwidth at 1 MiB and 16 MiB against ``ucx_perftest -t ucp_am_bw``,
-  with three receivers: a handler per message that calls ``receive_into``
-  (a reused buffer, zero copy); receives posted ahead with
+  with four receivers: a handler per message that calls ``receive_into``
+  (a reused buffer, zero copy); a handler with a receive pool of ``POOL``
+  buffers (``set_am_handler(..., into=bufs)``: the payload is received in
+  the UCX callback before the handler runs); receives posted ahead with
   ``worker.am_recv_nb`` (matched in the UCX callback, no Python per
   message delivered, one call per message posted); and a round of them
   posted with one ``worker.am_recv_many_nb`` call.  The receiver acks each
@@ -62,6 +64,11 @@ MIB = 1 << 20
 #: round r once round r - DEPTH was acked; posted receives stay DEPTH
 #: rounds ahead.
 DEPTH = 2
+#: Buffers in the receive pool of the "pool" receiver: two let one payload
+#: land while the handler runs for the other.  More do not help a receiver
+#: that copies on one thread, and cost cache: 8 buffers of 1 MiB were about
+#: 10 % slower than 1 or 2 on this host (RESULTS.md).
+POOL = 2
 #: Messages per round of the 8-byte message-rate figures.
 RATE_ITERS = 10000
 #: Peer error handling on every endpoint (``--error-handling``).
@@ -143,6 +150,26 @@ def _server(
                     if ndone >= iters:
                         del reqs[:iters]
                         ndone -= iters
+                        ep.am_send(ACK, b"")
+        elif mode == "pool":
+            # The handler's receive pool: rendezvous payloads are received
+            # in the UCX callback before the handler runs; the handler only
+            # counts (the buffer is free again when it returns).
+            pool = [_buffer(ctx, size, memory) for _ in range(POOL)]
+            got = [0]
+
+            def on_pooled(msg):
+                if msg.is_rndv:  # larger than the pool's buffers: never here
+                    raise AssertionError("a message missed the receive pool")
+                got[0] += 1
+
+            w.set_am_handler(DATA, on_pooled, into=pool)
+            progress = w.progress
+            while not conn.poll(0):
+                for _ in range(1000):  # a syscall per 1000 polls only
+                    progress()
+                    if got[0] >= iters:
+                        got[0] -= iters
                         ep.am_send(ACK, b"")
         elif mode in ("posted", "group"):
             for r in range(rounds):
@@ -279,16 +306,21 @@ def gpucx_bw(
 ):
     """Bandwidth in MiB/s over ``rounds`` rounds of ``iters`` messages, the
     best of ``runs`` runs: ``kind`` "am" (a handler calls receive_into),
-    "posted" (receives posted ahead, one call each), "group" (posted a
-    round at a time with ``am_recv_many_nb``), "batch" (as "group", the
-    sender runs a prepared batch per round) or "array".  The receiver acks each
+    "pool" (a handler with a receive pool of ``POOL`` buffers), "posted"
+    (receives posted ahead, one call each), "group" (posted a round at a
+    time with ``am_recv_many_nb``), "batch" (as "group", the sender runs a
+    prepared batch per round) or "array".  The receiver acks each
     round; the sender stays at most ``DEPTH`` rounds ahead, so the link
     never idles between rounds (perftest's ``ucp_am_bw`` streams too).
     ``memory``: where the send and receive buffers live (see ``_buffer``;
     arrays are always NumPy arrays)."""
-    mode = {"am": "bw", "posted": "posted", "group": "group", "batch": "group"}.get(
-        kind, "array"
-    )
+    mode = {
+        "am": "bw",
+        "pool": "pool",
+        "posted": "posted",
+        "group": "group",
+        "batch": "group",
+    }.get(kind, "array")
     # With the warm-up round.
     peer = _Peer(mode, size, iters, 1 + rounds * runs, memory)
     w, ep = peer.w, peer.ep
@@ -380,9 +412,11 @@ def one_round(a, port: int) -> dict:
         n = max(a.bw_iters, 64 * MIB // size)
         bw = gpucx_bw(size, n, "am")
         _, pbw = perftest("ucp_am_bw", size, n * 8, port + size // MIB)  # as many
+        pool = gpucx_bw(size, n, "pool")
         posted = gpucx_bw(size, n, "posted")
         group = gpucx_bw(size, n, "group")
         out[f"AM {size // MIB} MiB, handler (MiB/s)"] = (bw, pbw, bw / pbw)
+        out[f"AM {size // MIB} MiB, handler+pool (MiB/s)"] = (pool, pbw, pool / pbw)
         out[f"AM {size // MIB} MiB, posted (MiB/s)"] = (posted, pbw, posted / pbw)
         out[f"AM {size // MIB} MiB, posted group (MiB/s)"] = (group, pbw, group / pbw)
     # Arrays are NumPy arrays: compare with raw AM between NumPy buffers.
