@@ -210,6 +210,13 @@ def test_pool_errors(pair):
         w.set_am_handler(1, print, into=[np.zeros(64, np.uint8)[::2]])
     with pytest.raises(TypeError, match=r"into\[0\]"):
         w.set_am_handler(1, print, into=[object()])
+    buf = np.zeros(1000, np.uint8)
+    with pytest.raises(ValueError, match=r"into\[0\] and into\[2\] share memory"):
+        w.set_am_handler(1, print, into=[buf, bytearray(8), buf])
+    with pytest.raises(ValueError, match=r"into\[0\] and into\[1\] share memory"):
+        w.set_am_handler(1, print, into=[buf[500:], buf[:501]])
+    w.set_am_handler(1, print, into=[buf[500:], buf[:500], buf[:0]])  # adjacent
+    w.set_am_handler(1, None)
     # Nothing was installed by the failed calls.
     assert 1 not in w._am.handlers and 1 not in w._am.pools
     with pytest.raises(ValueError):

@@ -594,7 +594,8 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
     ------
     ValueError
         For an id outside 0..0xFEFF (0xFF00..0xFFFF are reserved), an empty
-        ``into``, or ``into`` without a handler.
+        ``into``, buffers of ``into`` that share memory, or ``into`` without
+        a handler.
     TypeError
         If ``handler`` is neither callable nor None, or ``into`` is not a
         sequence.
@@ -654,6 +655,19 @@ def _new_pool(am: _AmWorker, into):
         ptrs.append(ptr)
         lens.append(n)
         keeps.append((buf, keep))
+    # Two buffers sharing memory would take two payloads at once.
+    spans = sorted(
+        (int(ffi.cast("uintptr_t", p)), n, i)
+        for i, (p, n) in enumerate(zip(ptrs, lens, strict=True))
+        if n
+    )
+    for (a, n, i), (b, _, j) in zip(spans, spans[1:], strict=False):
+        if a + n > b:
+            i, j = sorted((i, j))
+            raise ValueError(
+                f"set_am_handler: into[{i}] and into[{j}] share memory (each "
+                "buffer of a receive pool takes one payload at a time)"
+            )
     pool = lib.gpucx_am_pool_new(
         am.state, ffi.new(_PTRS, ptrs), ffi.new(_SIZES, lens), len(bufs)
     )
