@@ -5,7 +5,9 @@
   blocks for ever, however many children or dead peers there are;
 * every handle is a context manager;
 * use after close raises :class:`~gpucx.ClosedError`;
-* an unclosed handle warns ``ResourceWarning`` from ``__del__`` and closes;
+* an unclosed handle warns ``ResourceWarning`` from ``__del__`` and closes,
+  within ``DROP_CLOSE_TIMEOUT_S`` (garbage collection may run it anywhere:
+  it must not block the program for long);
 * at interpreter exit every live context is closed in order;
 * in a forked child, handles inherited from the parent are abandoned (never
   touched: the UCX state belongs to the parent) and raise ``ClosedError``.
@@ -33,6 +35,11 @@ _serials = itertools.count(1)
 CLOSE_TIMEOUT_S = 10.0
 #: Extra time a close gives UCX to report cancellations after the deadline.
 CLOSE_GRACE_S = 1.0
+#: The deadline of the close an unclosed handle makes when it is collected:
+#: a flush still delivers what is on its way to a live peer, but a peer
+#: that does not progress cannot hold the collecting thread for
+#: ``CLOSE_TIMEOUT_S``.
+DROP_CLOSE_TIMEOUT_S = 1.0
 
 
 def time_left(deadline: float | None, floor: float = 0.0) -> float:
@@ -130,7 +137,7 @@ class Handle:
                 if parent is not None:
                     parent._live -= 1
                     if parent._deferred and parent._live == 0:
-                        parent.close()
+                        parent.close(timeout=DROP_CLOSE_TIMEOUT_S)
 
     def _abandon(self, reason: str) -> None:
         """Forget the UCX handle without calling UCX (forked child)."""
@@ -159,7 +166,7 @@ class Handle:
             self._deferred = True
             return
         try:
-            self.close()
+            self.close(timeout=DROP_CLOSE_TIMEOUT_S)
         except Exception:
             pass
 

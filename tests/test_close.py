@@ -269,3 +269,30 @@ def test_garbage_collected_cycle_closes_in_order(tls):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "alive 0" in out.stdout, out.stdout
+
+
+def test_dropped_endpoint_closes_within_the_short_drop_deadline():
+    """An endpoint dropped without close() is closed by its finalizer, a
+    flush close like any other, but within ``DROP_CLOSE_TIMEOUT_S``: here
+    a client endpoint dropped before the server (another context, never
+    progressed) answered its wireup would otherwise hold the collecting
+    thread for ``CLOSE_TIMEOUT_S``."""
+    import gc
+    import warnings
+
+    with gpucx.Context() as c1, gpucx.Context() as c2:
+        a, b = c1.create_worker(), c2.create_worker()
+        listener = b.listen()
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            t0 = time.monotonic()
+            a.connect(("127.0.0.1", listener.port))  # dropped at once
+            gc.collect()
+            took = time.monotonic() - t0
+        assert any(issubclass(r.category, ResourceWarning) for r in rec)
+        assert _handle.DROP_CLOSE_TIMEOUT_S < _handle.CLOSE_TIMEOUT_S / 2
+        # The drop deadline plus UCX's cancellation grace, not the close's
+        # default deadline.
+        limit = _handle.DROP_CLOSE_TIMEOUT_S + _handle.CLOSE_GRACE_S + 2.0
+        assert took < limit, took
+        assert not a._children or all(c.closed for c in a._children)
