@@ -70,20 +70,15 @@ typedef struct gpucx_am_post {
     gpucx_am_group_t *group; /* NULL for a receive posted alone */
 } gpucx_am_post_t;
 
-/* A rendezvous message received into a pool buffer before its handler
- * runs: the record it is queued with once the receive is done. */
-typedef struct gpucx_am_pend {
-    gpucx_am_msg_t        msg;
-    struct gpucx_am_pool *pool;
-} gpucx_am_pend_t;
-
 /* The buffers an id's handler receives rendezvous payloads into
  * (set_am_handler(..., into=bufs)).  The UCX callback takes the first free
- * buffer the payload fits and starts the receive at once; the message goes
- * to the dispatch queue when its payload is in, and the buffer is free
- * again when Python releases the message.  busy, nfree and closed are
- * guarded by state->lock; pend[i] belongs to the message in
- * bufs[i] while busy[i]. */
+ * buffer the payload fits and starts the receive at once, or, when every
+ * such buffer is busy, keeps the message in wq until Python gives one back
+ * (gpucx_am_release), which starts it then.  A message goes to the
+ * dispatch queue when its payload is in, and its buffer is free again when
+ * Python releases it.  busy, nfree, closed and wq are guarded by
+ * state->lock; pend[i] is the record of the receive into bufs[i] while it
+ * runs. */
 typedef struct gpucx_am_pool {
     gpucx_am_state_t *state;
     unsigned          n;
@@ -93,7 +88,7 @@ typedef struct gpucx_am_pool {
     void            **bufs;
     size_t           *lens;
     unsigned char    *busy;
-    gpucx_am_pend_t  *pend;
+    gpucx_am_msg_t   *pend;
     /* Messages waiting for a free buffer they fit, oldest first; never
      * longer than max_len.  Empty while every buffer is free. */
     gpucx_am_msg_t   *wq;
@@ -309,13 +304,12 @@ static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
     return UCS_OK;
 }
 
-/* The receive into pool buffer p->msg.index ended with status: queue the
+/* The receive of m (a pool's pend[m->index]) ended with status: queue the
  * message for its handler, or, while the worker closes, free the buffer. */
-static void gpucx__am_pool_done(gpucx_am_pend_t *p, ucs_status_t status)
+static void gpucx__am_pool_done(gpucx_am_msg_t *m, ucs_status_t status)
 {
-    gpucx_am_pool_t  *pool = p->pool;
+    gpucx_am_pool_t  *pool = m->pool;
     gpucx_am_state_t *st   = pool->state;
-    gpucx_am_msg_t   *m    = &p->msg;
 
     m->status = status;
     if (status != UCS_OK) {
@@ -346,7 +340,7 @@ static void gpucx__am_pool_cb(void *request, ucs_status_t status,
 {
     (void)length;
     ucp_request_free(request);
-    gpucx__am_pool_done((gpucx_am_pend_t *)user_data, status);
+    gpucx__am_pool_done((gpucx_am_msg_t *)user_data, status);
 }
 
 /* Receive the rendezvous message w (w->data its descriptor) into pool
@@ -354,12 +348,10 @@ static void gpucx__am_pool_cb(void *request, ucs_status_t status,
 static void gpucx__am_pool_start(gpucx_am_pool_t *pool, unsigned i,
                                  const gpucx_am_msg_t *w)
 {
-    gpucx_am_pend_t    *p = &pool->pend[i];
-    gpucx_am_msg_t     *m = &p->msg;
+    gpucx_am_msg_t     *m = &pool->pend[i];
     ucp_request_param_t rp;
     ucs_status_ptr_t    r;
 
-    p->pool         = pool;
     *m              = *w;
     m->owned        = 2;
     m->flags        = (w->flags & ~(uint64_t)UCP_AM_RECV_ATTR_FLAG_RNDV) |
@@ -371,12 +363,12 @@ static void gpucx__am_pool_start(gpucx_am_pool_t *pool, unsigned i,
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                       UCP_OP_ATTR_FIELD_MEMORY_TYPE;
     rp.cb.recv_am   = gpucx__am_pool_cb;
-    rp.user_data    = p;
+    rp.user_data    = m;
     rp.memory_type  = UCS_MEMORY_TYPE_HOST;
     r = ucp_am_recv_data_nbx(pool->state->worker, w->data, m->data, w->length,
                              &rp);
     if (r == NULL || UCS_PTR_IS_ERR(r)) {
-        gpucx__am_pool_done(p, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
+        gpucx__am_pool_done(m, r == NULL ? UCS_OK : UCS_PTR_STATUS(r));
     }
 }
 
@@ -887,7 +879,7 @@ static gpucx_am_pool_t *gpucx_am_pool_new(gpucx_am_state_t *st, void **bufs,
     pool->bufs = (void **)malloc(n * sizeof(void *));
     pool->lens = (size_t *)malloc(n * sizeof(size_t));
     pool->busy = (unsigned char *)calloc(n, 1);
-    pool->pend = (gpucx_am_pend_t *)calloc(n, sizeof(gpucx_am_pend_t));
+    pool->pend = (gpucx_am_msg_t *)calloc(n, sizeof(gpucx_am_msg_t));
     if (pool->bufs == NULL || pool->lens == NULL || pool->busy == NULL ||
         pool->pend == NULL) {
         gpucx_am_pool_free(pool);
