@@ -15,6 +15,10 @@ Measures between two processes on this host (default UCX transports):
   message delivered, one call per message posted); and a round of them
   posted with one ``worker.am_recv_many_nb`` call.  The receiver acks each
   round; the sender stays at most ``DEPTH`` rounds ahead;
+* with ``--only lat``: 64 KiB and 1 MiB AM latency through handlers on
+  both sides (each payload received before the reply), with
+  ``receive_into`` and with a one-buffer receive pool, against
+  ``ucx_perftest -t ucp_am_lat``;
 * ``send_array``/``recv_array`` bandwidth at 16 MiB against raw AM
   bandwidth (a fresh array per message, as ``recv_array`` returns);
 * 8-byte message rate against the message rate of ``ucx_perftest -t
@@ -25,7 +29,7 @@ Measures between two processes on this host (default UCX transports):
 Usage::
 
     .venv/bin/python benchmarks/bench_am.py [--rounds R] [--lat-iters N] [--bw-iters N]
-        [--error-handling] [--only bw,rate]
+        [--error-handling] [--only bw,rate,lat]
 
 ``--error-handling`` creates every endpoint with peer error handling
 (gpucx's default) and runs perftest with ``-e``.
@@ -180,6 +184,21 @@ def _server(
                 if r + DEPTH < rounds:  # keep DEPTH rounds posted, then ack
                     posted.append(post_round())
                 ep.am_send(ACK, b"")
+        elif mode in ("lat_rndv", "lat_rndv_pool"):
+            # Echo each PING of ``size`` bytes (a rendezvous payload) with a
+            # PONG of the same size, receiving it first: through
+            # receive_into, or, with a pool, in the UCX callback.
+            rbuf, sbuf = _buffer(ctx, size, memory), _buffer(ctx, size, memory)
+            inbox: list = []
+            pool = [rbuf] if mode == "lat_rndv_pool" else None
+            w.set_am_handler(PING, inbox.append, into=pool)
+            progress = w.progress
+            while not conn.poll(0):
+                for _ in range(1000):  # a syscall per 1000 polls only
+                    progress()
+                    if inbox:
+                        _take(inbox, rbuf)
+                        ep.am_send(PONG, sbuf)
         elif mode == "array":
             count = 0
             while not conn.poll(0):
@@ -245,6 +264,44 @@ def gpucx_am_lat(size: int, iters: int, runs: int = 1) -> float:
         best = min(best, time.perf_counter() - t0)
     peer.close()
     return best / iters / 2 * 1e6
+
+
+def _take(inbox: list, rbuf) -> None:
+    """The payload of the one message in ``inbox``, in ``rbuf`` (or in the
+    pool buffer it was received into), the message let go of."""
+    msg = inbox.pop()
+    if msg.is_rndv:
+        msg.receive_into(rbuf).wait()
+
+
+def gpucx_am_lat_rndv(size: int, iters: int, pool: bool) -> float:
+    """One-way latency in microseconds (half the round trip, the mean of
+    ``iters``) of a ``size``-byte AM ping-pong through handlers on both
+    sides, each payload received before the reply goes: with
+    ``receive_into``, or (``pool``) into a one-buffer receive pool
+    (``set_am_handler(..., into=[buf])``).  Blocking ``am_send``, as
+    ``gpucx bench -t am_lat`` and ucx_perftest's ``ucp_am_lat``."""
+    peer = _Peer("lat_rndv_pool" if pool else "lat_rndv", size, iters)
+    w, ep = peer.w, peer.ep
+    rbuf, sbuf = _buffer(peer.ctx, size, "ucx"), _buffer(peer.ctx, size, "ucx")
+    inbox: list = []
+    w.set_am_handler(PONG, inbox.append, into=[rbuf] if pool else None)
+    progress = w.progress
+
+    def one() -> None:
+        ep.am_send(PING, sbuf)
+        while not inbox:
+            progress()
+        _take(inbox, rbuf)
+
+    for _ in range(max(10, iters // 10)):
+        one()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        one()
+    took = time.perf_counter() - t0
+    peer.close()
+    return took / iters / 2 * 1e6
 
 
 def gpucx_am_lat_posted(size: int, iters: int) -> float:
@@ -400,6 +457,14 @@ def one_round(a, port: int) -> dict:
         for kind, name in (("group", "am_send_nb"), ("batch", "prepared batch")):
             rate = gpucx_bw(8, n, kind) * MIB / 8
             out[f"AM 8 B rate, {name} (msg/s)"] = (rate, prate, rate / prate)
+    if "lat" in a.only:
+        # Rendezvous sizes: the payload is received before the reply.
+        for k, (size, iters) in enumerate(((64 << 10, 2000), (MIB, 300))):
+            plat, _ = perftest("ucp_am_lat", size, iters, port + 18 + k)
+            name = f"AM latency {size >> 10} KiB"
+            for pool, how in ((False, "receive_into"), (True, "pool")):
+                lat = gpucx_am_lat_rndv(size, iters, pool)
+                out[f"{name}, {how} (us)"] = (lat, plat, plat / lat)
     if "bw" not in a.only:
         return out
     lat = gpucx_am_lat(8, a.lat_iters)
@@ -440,7 +505,8 @@ def main() -> None:
     ap.add_argument(
         "--only",
         default="bw,rate",
-        help="bw (latency, bandwidth, arrays), rate (8-byte message rate)",
+        help="bw (latency, bandwidth, arrays), rate (8-byte message rate), "
+        "lat (64 KiB and 1 MiB latency, receive_into against a pool)",
     )
     a = ap.parse_args()
     global EH
