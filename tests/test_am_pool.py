@@ -372,3 +372,30 @@ def test_progress_thread_worker_receives_into_its_pool():
         ab.close()
         b.close()
         a.close()
+
+
+def test_asyncio_workers_run_pooled_handlers(ctx):
+    """Under asyncio the event-driven progress runs the handlers; the
+    receives that wait for a buffer start when a handler returns."""
+    import asyncio
+
+    import gpucx.aio
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as a, gpucx.aio.Worker(ctx) as b:
+            ep = await a.aconnect(b.address)
+            got = []
+            done = asyncio.Event()
+
+            def handler(msg):
+                got.append((msg.is_rndv, int(msg.data[0]), msg.nbytes))
+                if len(got) == 5:
+                    done.set()
+
+            b.set_am_handler(13, handler, into=_pool(2))
+            sends = [ep.am_send_nb(13, _seq(k), proto="rndv") for k in range(5)]
+            await asyncio.gather(*sends)
+            await asyncio.wait_for(done.wait(), 30)
+            assert sorted(got) == [(False, k + 1, MIB) for k in range(5)]
+
+    asyncio.run(asyncio.wait_for(main(), 60))
