@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 import gpucx
@@ -119,3 +121,25 @@ def am_burst_peer(tls, q, sizes):
             r.wait(60)
         assert q.get() == "bye"
         ep.close()
+
+
+@contextlib.contextmanager
+def burst_receiver(tls, sizes):
+    """A worker here, connected to an :func:`am_burst_peer` process that
+    sends ``sizes``: yields ``(worker, endpoint, channel)``; put "go" on the
+    channel to start the burst.  On exit the peer is told "bye" and joined.
+    """
+    from conftest import channel_pair, join_ok, spawn
+
+    q, theirs = channel_pair()
+    child = spawn(am_burst_peer, tls, theirs, sizes)
+    try:
+        with gpucx.Context(config=transport_config(tls)) as ctx:
+            w = ctx.create_worker()
+            ep = w.connect(q.get(60))
+            q.put(w.address)
+            yield w, ep, q
+            q.put("bye")
+            ep.close()
+    finally:
+        join_ok(child, 60)

@@ -1027,24 +1027,13 @@ def _blocking_loop(w, bufs):
     "receive", [_post_each, _post_groups, _blocking_loop], ids=lambda f: f.__name__
 )
 def test_posted_receives_across_processes(tls, receive):
-    from conftest import channel_pair, join_ok, spawn, transport_config
-    from peers_am import am_burst_peer
+    from peers_am import burst_receiver
 
     sizes = [0, 1, 100, 8192, 65536, 1 << 20, 4 << 20, 3]
-    q, theirs = channel_pair()
-    child = spawn(am_burst_peer, tls, theirs, sizes)
-    try:
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            ep = w.connect(q.get(60))
-            q.put(w.address)
-            bufs = [np.zeros(n, np.uint8) for n in sizes]
-            results = receive(w, bufs)
-            q.put("go")
-            assert results() == sizes
-            for i, buf in enumerate(bufs):
-                assert (buf == i % 251 + 1).all()
-            q.put("bye")
-            ep.close()
-    finally:
-        join_ok(child, 60)
+    with burst_receiver(tls, sizes) as (w, _ep, q):
+        bufs = [np.zeros(n, np.uint8) for n in sizes]
+        results = receive(w, bufs)
+        q.put("go")
+        assert results() == sizes
+        for i, buf in enumerate(bufs):
+            assert (buf == i % 251 + 1).all()

@@ -324,37 +324,27 @@ def test_failed_receive_reads_as_the_error():
 
 @pytest.mark.parametrize("tls", sorted(TRANSPORTS))
 def test_pooled_handler_across_processes(tls):
-    from conftest import channel_pair, join_ok, spawn, transport_config
-    from peers_am import am_burst_peer
+    from peers_am import burst_receiver
 
     sizes = [0, 100, 8192, 65536, MIB, 4 * MIB, 3, MIB]
-    q, theirs = channel_pair()
-    child = spawn(am_burst_peer, tls, theirs, sizes)
-    try:
-        with gpucx.Context(config=transport_config(tls)) as ctx:
-            w = ctx.create_worker()
-            ep = w.connect(q.get(60))
-            q.put(w.address)
-            got = {}
+    with burst_receiver(tls, sizes) as (w, ep, q):
+        got = {}
 
-            def handler(msg):
-                k = int(msg.data[0]) - 1 if msg.nbytes else sizes.index(0)
-                assert not msg.is_rndv
-                assert (np.frombuffer(msg.data, np.uint8) == k + 1).all()
-                got[k] = msg.nbytes
+        def handler(msg):
+            # The i-th message's bytes are i % 251 + 1.
+            k = int(msg.data[0]) - 1 if msg.nbytes else sizes.index(0)
+            assert not msg.is_rndv
+            assert (np.frombuffer(msg.data, np.uint8) == k + 1).all()
+            got[k] = msg.nbytes
 
-            w.set_am_handler(11, handler, into=_pool(2, 4 * MIB))
-            q.put("go")
-            end = time.monotonic() + 60
-            while len(got) < len(sizes):
-                w.progress()
-                assert time.monotonic() < end, got
-            assert [got[k] for k in range(len(sizes))] == sizes
-            q.put("bye")
-            check_transports(tls, ep.transports)
-            ep.close()
-    finally:
-        join_ok(child, 60)
+        w.set_am_handler(11, handler, into=_pool(2, 4 * MIB))
+        q.put("go")
+        end = time.monotonic() + 60
+        while len(got) < len(sizes):
+            w.progress()
+            assert time.monotonic() < end, got
+        assert [got[k] for k in range(len(sizes))] == sizes
+        check_transports(tls, ep.transports)
 
 
 def test_progress_thread_worker_receives_into_its_pool():

@@ -629,6 +629,19 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
         lib.gpucx_am_set_keep(am.regs[am_id], 1 if handler is None else 0)
 
 
+def _host_buffer(buf, stream, where: str, refusal: str):
+    """``(ptr, nbytes, keepalive)`` of a writable host buffer; an error
+    (``refusal`` for other memory) names the buffer as ``where``."""
+    try:
+        ptr, n, mt, keep = acquire(buf, True, stream)
+        if mt != _HOST:
+            raise UnsupportedError(refusal)
+    except (TypeError, ValueError, BufferError, UCXError) as exc:
+        exc.args = (f"{where}: {exc}", *exc.args[1:])
+        raise
+    return ptr, n, keep
+
+
 def _new_pool(am: _AmWorker, into):
     """A C receive pool of the buffers of ``into``: ``(pool, keepalives)``."""
     try:
@@ -642,16 +655,13 @@ def _new_pool(am: _AmWorker, into):
         raise ValueError("set_am_handler: into holds no buffer")
     ptrs, lens, keeps = [], [], []
     for i, buf in enumerate(bufs):
-        try:
-            ptr, n, mt, keep = acquire(buf, True, None)
-            if mt != _HOST:
-                raise UnsupportedError(
-                    "a receive pool takes host memory; receive device memory "
-                    "with AmMessage.receive_into"
-                )
-        except (TypeError, ValueError, BufferError, UCXError) as exc:
-            exc.args = (f"set_am_handler: into[{i}]: {exc}", *exc.args[1:])
-            raise
+        ptr, n, keep = _host_buffer(
+            buf,
+            None,
+            f"set_am_handler: into[{i}]",
+            "a receive pool takes host memory; receive device memory with "
+            "AmMessage.receive_into",
+        )
         ptrs.append(ptr)
         lens.append(n)
         keeps.append((buf, keep))
@@ -1080,16 +1090,13 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     for i, buf in enumerate(bufs):
         if id(buf) in seen:
             continue
-        try:
-            ptr, nbytes, mt, keep = acquire(buf, True, stream)
-            if mt != _HOST:
-                raise UnsupportedError(
-                    "posted receives take host memory; receive device memory "
-                    "with a handler and AmMessage.receive_into"
-                )
-        except (TypeError, ValueError, BufferError, UCXError) as exc:
-            exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
-            raise
+        ptr, nbytes, keep = _host_buffer(
+            buf,
+            stream,
+            f"am_recv_many_nb: buffer {i}",
+            "posted receives take host memory; receive device memory with a "
+            "handler and AmMessage.receive_into",
+        )
         seen[id(buf)] = (ptr, nbytes)
         keeps.append((buf, keep))
         if len(seen) == len(ids):
