@@ -10,6 +10,7 @@ TCP, a few rounds in the default suite and 20 rounds under ``-m faults``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 
@@ -320,3 +321,58 @@ MULTI = ["tag_send", "flush", "stream_recv", "put", "aio", "recv_array"]
 @pytest.mark.parametrize("op", MULTI)
 def test_peer_killed_multi_thread_worker(op):
     run_case(op, "shm", ROUNDS, thread_mode="multi")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tls", ["shm", "tcp"])
+def test_pooled_fetch_from_a_killed_peer(tls):
+    """A handler's receive pool (``set_am_handler(..., into=)``): the
+    peer's rendezvous message waits for the pool's only buffer, the peer
+    dies, then the buffer is given back.  The fetch that starts then fails
+    promptly and reaches the handler as a message whose data raises; the
+    buffer serves the next peer."""
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w, local = ctx.create_worker(), ctx.create_worker()
+        msgs: list = []
+        w.set_am_handler(AM_ID, msgs.append, into=[np.zeros(BIG, np.uint8)])
+        # A message from a worker of this process takes the only buffer.
+        sent = local.connect(w.address).am_send_nb(
+            AM_ID, np.ones(BIG, np.uint8), proto="rndv"
+        )
+        end = time.monotonic() + BOUND_S
+        while not msgs or not sent.done():
+            w.progress()
+            local.progress()
+            assert time.monotonic() < end, "the local message never came"
+        blocker = msgs.pop()
+        with started("am_rndv", tls) as (proc, chan):
+            ep, _ = handshake(w, chan)
+            end = time.monotonic() + BOUND_S
+            while w.stats()["am_queue"].count == 0:  # it waits for the buffer
+                w.progress()
+                assert time.monotonic() < end, "the peer's message never came"
+            chan.put("got it")
+            kill(proc)
+            time.sleep(0.2)
+            del blocker  # the waiting fetch starts, from a dead peer
+            end = time.monotonic() + BOUND_S
+            while not msgs:
+                w.progress()
+                assert time.monotonic() < end, "the failed fetch never came"
+            with pytest.raises((gpucx.PeerError, gpucx.CanceledError)):
+                _ = msgs.pop().data
+            ep.close()
+        # The message is gone once the exception's traceback is: the buffer
+        # is free again, and the next peer's message lands in it.
+        gc.collect()
+        sent = local.connect(w.address).am_send_nb(
+            AM_ID, np.full(BIG, 5, np.uint8), proto="rndv"
+        )
+        end = time.monotonic() + BOUND_S
+        while not msgs:
+            w.progress()
+            local.progress()
+            assert time.monotonic() < end, "the pool did not recover"
+        assert msgs[0].data[-1] == 5
+        msgs.clear()
+        sent.wait(BOUND_S)
