@@ -71,7 +71,7 @@ DEPTH = 2
 #: Buffers in the receive pool of the "pool" receiver: two let one payload
 #: land while the handler runs for the other.  More do not help a receiver
 #: that copies on one thread, and cost cache: 8 buffers of 1 MiB were about
-#: 10 % slower than 1 or 2 on this host (RESULTS.md).
+#: 13 % slower than 2 on this host (RESULTS.md).
 POOL = 2
 #: Messages per round of the 8-byte message-rate figures.
 RATE_ITERS = 10000
