@@ -107,9 +107,19 @@ static void gpucx_qstat_init(gpucx_qstat_t *s, size_t max_count, size_t max_byte
     s->max_bytes = max_bytes ? max_bytes : SIZE_MAX;
 }
 
+/* Count a dropped message of nbytes in s and bump *drops (the worker-wide
+ * counter the Python side watches to warn; NULL: none). */
+static void gpucx__qstat_drop(gpucx_qstat_t *s, size_t nbytes, uint64_t *drops)
+{
+    s->dropped++;
+    s->dropped_bytes += nbytes;
+    if (drops != NULL) {
+        __atomic_fetch_add(drops, 1, __ATOMIC_RELAXED);
+    }
+}
+
 /* Charge a message of nbytes to s if it fits under both caps (returns 1);
- * otherwise count it as dropped, bump *drops (the worker-wide counter the
- * Python side watches to warn) and return 0. */
+ * otherwise count it as dropped (gpucx__qstat_drop) and return 0. */
 static int gpucx__qstat_admit(gpucx_qstat_t *s, size_t nbytes, uint64_t *drops)
 {
     if (s->count < s->max_count && nbytes <= s->max_bytes - s->bytes) {
@@ -117,11 +127,7 @@ static int gpucx__qstat_admit(gpucx_qstat_t *s, size_t nbytes, uint64_t *drops)
         s->bytes += nbytes;
         return 1;
     }
-    s->dropped++;
-    s->dropped_bytes += nbytes;
-    if (drops != NULL) {
-        __atomic_fetch_add(drops, 1, __ATOMIC_RELAXED);
-    }
+    gpucx__qstat_drop(s, nbytes, drops);
     return 0;
 }
 

@@ -86,7 +86,7 @@ unsigned gpucx_am_kept(gpucx_am_reg_t *reg);
 gpucx_am_pool_t *gpucx_am_pool_new(gpucx_am_state_t *st, void **bufs,
                                    const size_t *lens, unsigned n);
 void gpucx_am_pool_free(gpucx_am_pool_t *pool);
-gpucx_am_pool_t *gpucx_am_set_pool(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool);
+void gpucx_am_set_pool(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool);
 unsigned gpucx_am_pool_busy(gpucx_am_pool_t *pool);
 void gpucx_am_pool_close(gpucx_am_pool_t *pool);
 ucs_status_t gpucx_am_recv_msg(ucp_worker_h worker, gpucx_am_msg_t *m, void *buf,

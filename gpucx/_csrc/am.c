@@ -324,9 +324,7 @@ static void gpucx__am_pool_done(gpucx_am_msg_t *m, ucs_status_t status)
     /* Admitted at arrival: it leaves the queue's counters unqueued. */
     gpucx__qstat_leave(&st->queue, m->header_length);
     if (!pool->closed) {
-        st->queue.dropped++;
-        st->queue.dropped_bytes += m->header_length;
-        __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+        gpucx__qstat_drop(&st->queue, m->header_length, &st->drops);
     }
     pool->busy[m->index] = 0;
     pool->nfree++;
@@ -389,9 +387,10 @@ static unsigned gpucx__am_pool_find(const gpucx_am_pool_t *pool, size_t length)
 /* A rendezvous message of an id with a receive pool: receive it into the
  * first free buffer it fits, or, when they are all busy, keep it waiting
  * (in arrival order) for one to be given back.  Returns
- * UCS_ERR_NO_RESOURCE when no buffer of the pool is large enough (the
- * message is then queued as without a pool), else what the UCX callback
- * returns. */
+ * UCS_ERR_NO_RESOURCE when the pool cannot take it (no buffer is large
+ * enough, the pool was just replaced, or no memory for the header copy):
+ * the message is then queued as without a pool.  Else returns what the
+ * UCX callback returns. */
 static ucs_status_t gpucx__am_pool_recv(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool,
                                         const void *header, size_t header_length,
                                         void *data, size_t length,
@@ -401,11 +400,6 @@ static ucs_status_t gpucx__am_pool_recv(gpucx_am_reg_t *reg, gpucx_am_pool_t *po
     gpucx_am_msg_t    w;
     unsigned          i;
 
-    /* reg->pool is checked under the lock: once set_pool replaced it, the
-     * old pool may be freed (the caller read it unlocked). */
-    if (length > pool->max_len) {
-        return UCS_ERR_NO_RESOURCE;
-    }
     memset(&w, 0, sizeof(w));
     w.id            = reg->id;
     w.flags         = param->recv_attr;
@@ -422,7 +416,10 @@ static ucs_status_t gpucx__am_pool_recv(gpucx_am_reg_t *reg, gpucx_am_pool_t *po
         memcpy(w.header, header, header_length);
     }
     pthread_mutex_lock(&st->lock);
-    if (reg->pool != pool) {
+    /* Nothing of pool is read before this check, under the lock: once
+     * set_pool replaced it, the old pool may be freed (the caller read
+     * reg->pool unlocked). */
+    if (reg->pool != pool || length > pool->max_len) {
         pthread_mutex_unlock(&st->lock);
         free(w.header);
         return UCS_ERR_NO_RESOURCE;
@@ -439,9 +436,7 @@ static ucs_status_t gpucx__am_pool_recv(gpucx_am_reg_t *reg, gpucx_am_pool_t *po
         if (!gpucx__msgq_reserve(&pool->wq, &pool->whead, &pool->wtail,
                                  &pool->wcap)) {
             gpucx__qstat_leave(&st->queue, header_length);
-            st->queue.dropped++;
-            st->queue.dropped_bytes += header_length;
-            __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+            gpucx__qstat_drop(&st->queue, header_length, &st->drops);
             pthread_mutex_unlock(&st->lock);
             free(w.header);
             return UCS_ERR_NO_MEMORY; /* fails the sender */
@@ -550,9 +545,7 @@ static ucs_status_t gpucx__am_recv_cb(void *arg, const void *header,
                                           &reg->kcap)
                     : gpucx__amq_reserve(st))) {
         gpucx__qstat_leave(qs, charge);
-        qs->dropped++;
-        qs->dropped_bytes += charge;
-        __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+        gpucx__qstat_drop(qs, charge, &st->drops);
         pthread_mutex_unlock(&st->lock);
         free(hdr);
         free(copy);
@@ -847,9 +840,7 @@ static void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep)
                     continue;
                 }
                 gpucx__qstat_leave(&st->queue, charge);
-                st->queue.dropped++;
-                st->queue.dropped_bytes += charge;
-                __atomic_fetch_add(&st->drops, 1, __ATOMIC_RELAXED);
+                gpucx__qstat_drop(&st->queue, charge, &st->drops);
             }
             gpucx_am_release(st->worker, &reg->kq[i]);
         }
@@ -911,18 +902,12 @@ static void gpucx_am_pool_free(gpucx_am_pool_t *pool)
 }
 
 /* Receive reg's rendezvous messages into pool from the next one on (NULL:
- * leave them at the sender for receive_into).  Returns the pool it
- * replaces. */
-static gpucx_am_pool_t *gpucx_am_set_pool(gpucx_am_reg_t *reg,
-                                          gpucx_am_pool_t *pool)
+ * leave them at the sender for receive_into). */
+static void gpucx_am_set_pool(gpucx_am_reg_t *reg, gpucx_am_pool_t *pool)
 {
-    gpucx_am_pool_t *old;
-
     pthread_mutex_lock(&reg->state->lock);
-    old       = reg->pool;
     reg->pool = pool;
     pthread_mutex_unlock(&reg->state->lock);
-    return old;
 }
 
 /* Buffers of pool holding a message (receiving, queued or held). */

@@ -400,11 +400,7 @@ typedef struct gpucx_notify_q {
 
 static void gpucx__notify_drop(gpucx_notify_q_t *q, size_t length)
 {
-    q->stat.dropped++;
-    q->stat.dropped_bytes += length;
-    if (q->drops != NULL) {
-        __atomic_fetch_add(q->drops, 1, __ATOMIC_RELAXED);
-    }
+    gpucx__qstat_drop(&q->stat, length, q->drops);
 }
 
 static ucs_status_t gpucx__notify_am_cb(void *arg, const void *header,

@@ -580,15 +580,16 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
         ucxx allocator model, without calling Python inside progress): the
         handler gets a message whose :attr:`AmMessage.data` is a read-only
         view of the buffer, and the buffer is free again once the message
-        and its views are garbage.  A payload that fits no free buffer, and
-        every eager payload, comes as without a pool.  Such a message
-        reaches the handler once its payload is in, so it may come after
-        messages sent later.  gpucx holds the buffers until the pool is
-        replaced (``into=None`` or another pool) and idle, or the worker
-        closes (a replaced pool whose buffers still hold messages is let
-        go by a later ``set_am_handler`` call once they are free); do not
-        write to a buffer meanwhile.  The first free buffer the payload
-        fits is taken, in the order given.
+        and its views are garbage.  The first free buffer the payload fits
+        is taken, in the order given; while every buffer it fits is busy,
+        the message waits, in arrival order.  A payload larger than every
+        buffer, and every eager payload, comes as without a pool.  A pooled
+        message reaches the handler once its payload is in, so it may come
+        after messages sent later.  gpucx holds the buffers until the worker
+        closes or the pool is replaced (``into=None`` or another pool); a
+        replaced pool whose buffers still hold messages is let go by a
+        later ``set_am_handler`` call once they are free.  Do not write to a
+        buffer meanwhile.
 
     Raises
     ------
