@@ -85,6 +85,14 @@ class Pair:
         return [r.result() for r in reqs]
 
 
+def spin(pair, rounds: int = 200) -> None:
+    """Progress both workers of ``pair`` ``rounds`` times, waiting for
+    nothing: whatever would happen meanwhile has had its chance."""
+    for _ in range(rounds):
+        pair.a.progress()
+        pair.b.progress()
+
+
 def pump(pair, cond, timeout=10.0):
     """Progress both workers of ``pair`` until ``cond()`` is true."""
     end = time.monotonic() + timeout

@@ -14,7 +14,7 @@ import pytest
 
 import gpucx
 
-from conftest import TRANSPORTS, Pair, check_transports, pump
+from conftest import TRANSPORTS, Pair, check_transports, pump, spin
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -27,6 +27,18 @@ def _pool(k, n=MIB):
 
 def _seq(k, n=MIB):
     return np.full(n, k % 251 + 1, np.uint8)
+
+
+def _one_buffer(pair, am_id, count):
+    """A handler that keeps every message, a pool of one 1 MiB buffer, and
+    ``count`` rendezvous messages (bytes ``k + 1``) sent: returns ``(got,
+    sends)`` once the first message is in ``got`` (the rest wait for the
+    buffer it holds)."""
+    got: list = []
+    pair.b.set_am_handler(am_id, got.append, into=_pool(1))
+    sends = [pair.ab.am_send_nb(am_id, _seq(k), proto="rndv") for k in range(count)]
+    pump(pair, lambda: got)
+    return got, sends
 
 
 def test_rendezvous_payload_is_in_before_the_handler_runs(pair, tls):
@@ -52,11 +64,7 @@ def test_rendezvous_payload_is_in_before_the_handler_runs(pair, tls):
 
 
 def test_data_view_keeps_the_buffer_and_receive_into_copies(pair):
-    pool = _pool(1)
-    got = []
-    pair.b.set_am_handler(3, got.append, into=pool)
-    sends = [pair.ab.am_send_nb(3, _seq(k), proto="rndv") for k in range(2)]
-    pump(pair, lambda: got)
+    got, sends = _one_buffer(pair, 3, 2)
     msg = got.pop()
     view = msg.data
     assert view.readonly and view[0] == 1
@@ -67,9 +75,7 @@ def test_data_view_keeps_the_buffer_and_receive_into_copies(pair):
         _ = msg.data
     del msg
     # The view still holds the only buffer: the second message waits.
-    for _ in range(200):
-        pair.a.progress()
-        pair.b.progress()
+    spin(pair)
     assert not got and view[-1] == 1
     del view
     pump(pair, lambda: got)
@@ -107,15 +113,9 @@ def test_two_buffers_take_two_payloads_at_once(pair, tls):
 
 
 def test_a_kept_message_keeps_its_buffer(pair):
-    pool = _pool(1)
-    got = []
-    pair.b.set_am_handler(5, got.append, into=pool)
-    sends = [pair.ab.am_send_nb(5, _seq(k), proto="rndv") for k in range(3)]
-    pump(pair, lambda: got)
+    got, sends = _one_buffer(pair, 5, 3)
     first = got[0]
-    for _ in range(200):
-        pair.a.progress()
-        pair.b.progress()
+    spin(pair)
     assert len(got) == 1  # the others wait: the only buffer is held
     del first, got[0]
     pump(pair, lambda: len(got) == 1)
@@ -268,15 +268,9 @@ def test_waiting_messages_count_in_the_queue_caps():
 
 def test_worker_close_with_receives_waiting_and_held(ctx):
     p = Pair(ctx)
-    got = []
-    pool = _pool(1)
-    p.b.set_am_handler(10, got.append, into=pool)
-    sends = [p.ab.am_send_nb(10, _seq(k), proto="rndv") for k in range(4)]
-    pump(p, lambda: got)
+    got, sends = _one_buffer(p, 10, 4)
     held = got[0]  # the buffer is held; three messages wait
-    for _ in range(100):
-        p.a.progress()
-        p.b.progress()
+    spin(p, 100)
     p.b.close()
     assert held.nbytes == MIB
     del held
@@ -295,14 +289,9 @@ def test_failed_receive_reads_as_the_error():
     destroyed)."""
     ctx = gpucx.Context(config=TRANSPORTS["tcp"])
     p = Pair(ctx)
-    got = []
-    p.b.set_am_handler(11, got.append, into=_pool(1))
-    sends = [p.ab.am_send_nb(11, _seq(k), proto="rndv") for k in range(2)]
-    pump(p, lambda: got)
+    got, sends = _one_buffer(p, 11, 2)
     first = got.pop()  # the second waits for the only buffer
-    for _ in range(100):
-        p.a.progress()
-        p.b.progress()
+    spin(p, 100)
     p.ab.close(force=True)
     p.a.close()
     del first  # the waiting message starts now, from a peer that is gone

@@ -22,7 +22,7 @@ import pytest
 import gpucx
 from gpucx import _handle
 
-from conftest import TRANSPORTS, Pair
+from conftest import TRANSPORTS, Pair, spin
 
 BIG = 4 << 20  # rendezvous on every transport family
 
@@ -31,12 +31,6 @@ def _warm(pair: Pair) -> None:
     """One eager message each way, so both endpoints are wired up."""
     pair.drive(pair.b.recv_nb(bytearray(8), tag=99), pair.ab.send_nb(b"w" * 8, tag=99))
     pair.drive(pair.a.recv_nb(bytearray(8), tag=99), pair.ba.send_nb(b"w" * 8, tag=99))
-
-
-def _progress(pair: Pair, rounds: int = 200) -> None:
-    for _ in range(rounds):
-        pair.a.progress()
-        pair.b.progress()
 
 
 def _outcome(req, worker):
@@ -72,7 +66,7 @@ def test_flush_close_cancels_what_is_left_at_its_deadline(tls, pair):
     _warm(pair)
     big = pair.ab.send_nb(np.ones(BIG, np.uint8), tag=5)
     small = pair.ab.send_nb(b"s" * 8, tag=6)
-    _progress(pair)
+    spin(pair)
     t0 = time.monotonic()
     pair.ab.close(timeout=0.5)
     took = time.monotonic() - t0
@@ -88,7 +82,7 @@ def test_force_close_cancels_at_once(tls, pair):
     _warm(pair)
     big = pair.ab.send_nb(np.ones(BIG, np.uint8), tag=5)
     srecv = pair.ab.stream_recv_nb(bytearray(16))
-    _progress(pair)
+    spin(pair)
     t0 = time.monotonic()
     pair.ab.close(force=True)
     assert time.monotonic() - t0 < 1.0
@@ -103,7 +97,7 @@ def test_flush_close_does_not_wait_for_a_pending_stream_receive(tls, pair):
     them instead of waiting out its deadline."""
     _warm(pair)
     srecv = pair.ab.stream_recv_nb(bytearray(16))
-    _progress(pair)
+    spin(pair)
     t0 = time.monotonic()
     pair.ab.close()
     assert time.monotonic() - t0 < 2.0
