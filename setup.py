@@ -22,7 +22,10 @@ class BuildPy(build_py):
         ]
 
 
+# cffi compiles the extension against the stable ABI (it is gpucx/_ucx.abi3.so),
+# so one wheel serves every CPython the package supports: tag it cp310-abi3.
 setup(
     cffi_modules=["gpucx/_build_ucx.py:ffibuilder"],
     cmdclass={"build_py": BuildPy},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # GPU validation in one command, for a fresh machine with an NVIDIA GPU:
 #
-#   bash benchmarks/gpu_check.sh [-o REPORT.md]
+#   bash benchmarks/gpu_check.sh [-o REPORT.md] [--no-install]
 #
 # 1. checks for a GPU and a CUDA driver (without one it stops at once, exit 3);
 # 2. makes a venv (GPU_CHECK_VENV, default $TMPDIR/gpucx-gpu-check-venv) and
-#    installs gpucx with the test and cuda12 extras (pip install -e);
+#    installs gpucx with the test and cuda12 extras (pip install -e); with
+#    --no-install it makes no venv and uses $PYTHON (default python3) as it is:
+#    gpucx, CuPy, pytest and pytest-timeout must import there (an offline GPU
+#    node, a conda environment);
 # 3. gpucx info: UCX must report CUDA memory and CUDA transports;
 # 4. the cuda-marked test suite (python -m pytest -m cuda);
 # 5. CUDA IPC between two processes and CUDA stream ordering, reported on
@@ -15,7 +18,8 @@
 #    (--vs-perftest) for tag_bw, put_bw and get_bw at 1 MiB and 64 MiB;
 # 7. writes one Markdown report (default benchmarks/gpu-check-report.md) with
 #    the machine, every step's result and time, the tables, and the tail of
-#    the log of each failed step.
+#    the log of each failed step.  Logs and bench JSON go to GPU_CHECK_LOGS
+#    (default: a new $TMPDIR/gpucx-gpu-check.XXXXXX).
 #
 # Exit status: 0 all steps passed, 1 a step failed (see the report), 2 bad
 # usage, 3 no GPU or no CUDA driver here (nothing installed, no report).
@@ -23,11 +27,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 REPORT=benchmarks/gpu-check-report.md
-usage() { echo "usage: bash benchmarks/gpu_check.sh [-o REPORT.md]" >&2; exit 2; }
+INSTALL=1
+usage() { echo "usage: bash benchmarks/gpu_check.sh [-o REPORT.md] [--no-install]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
         -o|--report) [ $# -ge 2 ] || usage; REPORT=$2; shift 2 ;;
-        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+        --no-install) INSTALL=0; shift ;;
+        -h|--help) sed -n '2,/^set /p' "$0" | sed '$d'; exit 0 ;;
         *) usage ;;
     esac
 done
@@ -54,7 +60,9 @@ PYEOF
 
 # -- the steps -------------------------------------------------------------------
 VENV=${GPU_CHECK_VENV:-${TMPDIR:-/tmp}/gpucx-gpu-check-venv}
-LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpucx-gpu-check.XXXXXX")
+if [ $INSTALL -eq 1 ]; then GPY=$VENV/bin/python; else GPY=$(command -v "$PY"); fi
+if [ -n "${GPU_CHECK_LOGS:-}" ]; then LOGS=$GPU_CHECK_LOGS; mkdir -p "$LOGS" || exit 2
+else LOGS=$(mktemp -d "${TMPDIR:-/tmp}/gpucx-gpu-check.XXXXXX"); fi
 STEPS=()   # "name|status|seconds|log"
 FAILED=0
 step() {   # step NAME COMMAND...: run, log, record
@@ -74,17 +82,25 @@ install() {
         "$VENV/bin/pip" install -q --upgrade pip &&
         "$VENV/bin/pip" install -q -e "$ROOT[test,cuda12]"
 }
-info_has_cuda() {
-    "$VENV/bin/gpucx" info && "$VENV/bin/gpucx" info --json |
-        "$VENV/bin/python" -c "import json, sys; c = json.load(sys.stdin)['cuda']; sys.exit(0 if c['can_move_cuda_memory'] else 'CUDA: ' + str(c['problem']))"
+installed() {   # --no-install: what the steps need imports in $PYTHON
+    "$GPY" -c "import gpucx, cupy, pytest, pytest_timeout; print('gpucx', gpucx.__version__, gpucx.__file__); print('cupy', cupy.__version__)"
 }
-pytest_cuda() { "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
+info_has_cuda() {
+    "$GPY" -m gpucx.cli info && "$GPY" -m gpucx.cli info --json |
+        "$GPY" -c "import json, sys; c = json.load(sys.stdin)['cuda']; sys.exit(0 if c['can_move_cuda_memory'] else 'CUDA: ' + str(c['problem']))"
+}
+pytest_cuda() { "$GPY" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
 bench() {   # bench MEMORY
-    "$VENV/bin/gpucx" bench -t tag_bw,put_bw,get_bw -s 1M,64M -m "$1" \
+    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw -s 1M,64M -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
 
-if step "install gpucx[test,cuda12]" install; then
+if [ $INSTALL -eq 1 ]; then
+    step "install gpucx[test,cuda12]" install
+else
+    step "use $GPY as it is (--no-install)" installed
+fi
+if [ $? -eq 0 ]; then
     step "gpucx info reports CUDA" info_has_cuda
     step "cuda-marked test suite" pytest_cuda tests
     step "CUDA IPC between two processes" pytest_cuda tests/test_cuda.py -k "two_processes and ipc"
@@ -100,7 +116,7 @@ summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)' "$1
     echo "# gpucx GPU check"
     echo
     echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
-    echo "- command: \`bash benchmarks/gpu_check.sh\`"
+    echo "- command: \`bash benchmarks/gpu_check.sh$([ $INSTALL -eq 1 ] || echo ' --no-install')\`"
     echo "- commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "- host: $(uname -srm), CPU: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
     echo "- CUDA driver: $DRIVER"

@@ -86,6 +86,18 @@ def test_sdist_has_every_source_file(dist):
     assert not [n for n in names if n.endswith((".so", ".o", ".pyc"))]
 
 
+def test_wheel_is_one_abi3_wheel_for_every_cpython(dist):
+    """The extension is built against the stable ABI, and the wheel says so:
+    one wheel installs on every CPython from 3.10 on (pip refuses a wheel
+    tagged for one interpreter on another)."""
+    _, wheel = dist
+    assert wheel.name.split("-")[2:4] == ["cp310", "abi3"], wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if n.startswith("gpucx/_ucx.") and n.endswith(".so")] == [
+        "gpucx/_ucx.abi3.so"
+    ]
+
+
 def test_wheel_is_self_contained(dist):
     """The wheel has the compiled extension and every runtime module, and none
     of the build-time-only files (builder, cdefs, C sources)."""
