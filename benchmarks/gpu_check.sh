@@ -14,8 +14,11 @@
 # 5. CUDA IPC between two processes and CUDA stream ordering, reported on
 #    their own (tests of the cuda suite: two_processes with cuda_ipc; the
 #    stream-ordering tests);
-# 6. gpucx bench -m cuda and -m cuda:host against ucx_perftest -m cuda
-#    (--vs-perftest) for tag_bw, put_bw and get_bw at 1 MiB and 64 MiB;
+# 6. gpucx bench against ucx_perftest (--vs-perftest) for tag_bw, put_bw and
+#    get_bw at GPU_CHECK_SIZES (default 1M,64M): GPU to GPU (-m cuda), GPU
+#    and host memory mapped by UCX both ways (-m cuda:ucx, -m ucx:cuda: the
+#    host memory ucx_perftest uses), and GPU with NumPy host memory
+#    (-m cuda:host: pageable, so no like-for-like ratio);
 # 7. writes one Markdown report (default benchmarks/gpu-check-report.md) with
 #    the machine, every step's result and time, the tables, and the tail of
 #    the log of each failed step.  Logs and bench JSON go to GPU_CHECK_LOGS
@@ -91,7 +94,7 @@ info_has_cuda() {
 }
 pytest_cuda() { "$GPY" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
 bench() {   # bench MEMORY
-    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw -s 1M,64M -m "$1" \
+    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
 
@@ -107,7 +110,9 @@ if [ $? -eq 0 ]; then
     step "CUDA stream ordering" pytest_cuda tests/test_cuda.py \
         -k "stream_ordering or recv_with_stream or lands_after or waits_for_the_stream"
     step "gpucx bench -m cuda vs ucx_perftest" bench cuda
-    step "gpucx bench -m cuda:host vs ucx_perftest" bench cuda:host
+    step "gpucx bench -m cuda:ucx vs ucx_perftest" bench cuda:ucx
+    step "gpucx bench -m ucx:cuda vs ucx_perftest" bench ucx:cuda
+    step "gpucx bench -m cuda:host (NumPy host memory) vs ucx_perftest" bench cuda:host
 fi
 
 # -- the report ------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -161,6 +162,29 @@ def test_transport_selection(tmp_path, tls):
         assert names == {"tcp"}, names
     else:
         assert names & {"posix", "sysv"} and not names & {"tcp"}, names
+
+
+@pytest.mark.parametrize("env", ["UCX_LOG_LEVEL=info", "UCX_PROTO_INFO=y"])
+def test_ucx_logging_on_stdout_does_not_break_the_local_peer(tmp_path, env):
+    """UCX logs to stdout by default; the local peer's log lines go to stderr
+    and its address handshake still works (its first log line once ended
+    the run: 'unexpected line from the local peer')."""
+    out = tmp_path / "bench.json"
+    key, value = env.split("=")
+    p = subprocess.run(
+        [*GPUCX, "bench", "-t", "tag_bw,put_bw", "-s", "64K", *QUICK, "--json", out],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, key: value},
+    )
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    results = json.loads(out.read_text())["results"]
+    assert [r["test"] for r in results] == ["tag_bw", "put_bw"]
+    assert all(r["bandwidth_gbs"] > 0 for r in results)
+    if key == "UCX_LOG_LEVEL":
+        # The peer's UCX reached the user (stderr), not the handshake pipe.
+        assert re.search(r"UCX +INFO", p.stderr), p.stderr[-2000:]
 
 
 def test_sweep_async_and_no_error_handling(tmp_path):

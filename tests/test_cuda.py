@@ -317,24 +317,82 @@ def _late_write(cupy, out, value, stream):
         )
 
 
+_GATED_WRITE = r"""
+extern "C" __global__
+void gated_write(unsigned char *out, long long n, volatile int *gate,
+                 long long cycles, unsigned char v)
+{
+    long long start = clock64();
+    while (*gate == 0 && clock64() - start < cycles) { }
+    for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)blockDim.x * gridDim.x)
+        out[i] = v;
+}
+"""
+
+
+class _Gate:
+    """A kernel queued on a stream that fills ``out`` only once the test opens
+    the gate (a flag in pinned host memory the kernel polls; at most ~20 s).
+
+    The controls that show a call does *not* wait for a stream use it: until
+    :meth:`open`, the stream is busy however long the call takes, so the
+    control cannot lose a race against a timed spin on a loaded machine."""
+
+    def __init__(self, cupy, out, value, stream, limit_s: float = 20.0):
+        self._mem = cupy.cuda.alloc_pinned_memory(8)
+        self._flag = np.frombuffer(self._mem, np.int32, 2)
+        self._flag[:] = 0
+        # Pinned memory is mapped for the device at the same address (unified
+        # addressing, on every 64-bit CUDA platform).
+        dev_ptr = self._mem.ptr
+        rate = cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrClockRate, out.device.id
+        )  # kHz
+        kernel = cupy.RawKernel(_GATED_WRITE, "gated_write")
+        with stream:
+            kernel(
+                (1,),
+                (256,),
+                (
+                    out,
+                    np.int64(out.size),
+                    np.uint64(dev_ptr),
+                    np.int64(rate * 1000 * limit_s),
+                    np.uint8(value),
+                ),
+            )
+
+    def open(self, after: float = 0.0) -> None:
+        """Let the kernel go, now or from a timer thread ``after`` seconds on."""
+        if after:
+            threading.Timer(after, self.open).start()
+        else:
+            self._flag[0] = 1
+
+
 @pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "no-stream"])
 def test_stream_ordering_race(cupy, cpair, use_stream):
     n = 1 << 16
     src = cupy.zeros(n, cupy.uint8)
     cupy.cuda.runtime.deviceSynchronize()
     s = cupy.cuda.Stream(non_blocking=True)
-    _late_write(cupy, src, 7, s)
+    gate = _Gate(cupy, src, 7, s)
     got = np.zeros(n, np.uint8)
+    if use_stream:
+        gate.open(after=0.2)  # the send waits for it
     # Sent from outside the stream's block: CuPy's CAI names the legacy
     # default stream, which does not wait for a non-blocking stream.
     req = cpair.ab.send_nb(src, tag=11, stream=s if use_stream else None)
     cpair.drive(req, cpair.b.recv_nb(got, tag=11), timeout=30)
+    gate.open()
     s.synchronize()
     if use_stream:
         assert (got == 7).all(), f"{int((got != 7).sum())} stale bytes"
     else:
-        # Without the stream the send overtakes the kernel: stale zeros.
-        assert (got == 0).any(), "the race did not show: the kernel was too fast"
+        # Control: without the stream the send does not wait for the kernel,
+        # which is still held at its gate: every byte is stale.
+        assert (got == 0).all(), "the send waited for a stream it was not given"
 
 
 def test_recv_with_stream_is_visible_to_later_kernels(cupy, cpair):
@@ -402,11 +460,16 @@ def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
         t = threading.Thread(target=serve, daemon=True)
         t.start()
         try:
+            # The endpoint's first atomic, before any kernel is queued: UCX
+            # sets up its CUDA resources on first use, which can wait for the
+            # device to idle (docs/gpu.md, "Streams").
+            assert ab.fetch_add(key, 0) == 0
             # Control: without stream= the atomic does not wait for the
-            # kernel (about a second of spinning) queued on s.
-            _late_write(cupy, scratch, 1, s)
+            # kernel queued on s, which waits at its gate until opened.
+            gate = _Gate(cupy, scratch, 1, s)
             assert ab.fetch_add(key, 1) == 0
-            assert not s.done, "the kernel finished before the atomic: too fast"
+            assert not s.done, "the atomic waited for a stream it was not given"
+            gate.open()
             s.synchronize()
             _late_write(cupy, scratch, 2, s)
             if form == "blocking":

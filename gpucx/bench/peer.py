@@ -9,6 +9,7 @@ messages and runs its half of each measurement.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 
@@ -161,13 +162,20 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--no-error-handling", action="store_true")
     args = ap.parse_args(argv)
+    # The address handshake keeps the original stdout to itself; whatever
+    # else reaches fd 1 goes to stderr, where the user sees it.  UCX logs to
+    # stdout by default (UCX_LOG_LEVEL=info, the UCX_PROTO_INFO tables): in
+    # the pipe, its first line would have ended the handshake, and unread
+    # lines would have filled the pipe and stalled this peer.
+    control = os.fdopen(os.dup(1), "wb", buffering=0)
+    sys.stdout.flush()
+    os.dup2(2, 1)
     _use_device(args.device)
     eh = not args.no_error_handling
     with gpucx.Context(config=context_config(args.tls)) as ctx:
         w = ctx.create_worker()
-        stdout = sys.stdout.buffer
-        stdout.write(f"ADDRESS {w.address.hex()}\n".encode())
-        stdout.flush()
+        control.write(f"ADDRESS {w.address.hex()}\n".encode())
+        control.close()
         line = sys.stdin.readline().split()
         if len(line) != 2 or line[0] != "ADDRESS":
             print("gpucx bench peer: no address from the client", file=sys.stderr)
