@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -89,3 +91,60 @@ def test_bad_usage_exits_2(tmp_path):
         ["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True, timeout=20
     )
     assert p.returncode == 2 and "usage:" in p.stderr
+
+
+def test_no_install_uses_the_given_python_and_reports_what_it_lacks(tmp_path):
+    """--no-install makes no venv and installs nothing: the steps run in
+    $PYTHON as it is, and when that lacks CuPy the first step fails, the
+    report says so and the script exits 1.  The GPU and its driver are test
+    doubles: a fake nvidia-smi, and tests/fakecuda/libcuda_fake.c built as
+    libcuda.so.1."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        pass
+    else:  # pragma: no cover - a host with CuPy runs the real steps
+        pytest.skip("this host has CuPy: the steps would run for real")
+    bindir = _fake_nvidia_smi(tmp_path, "GPU 0: Fake GPU (UUID: GPU-0)")
+    libdir = tmp_path / "fakelib"
+    libdir.mkdir()
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    subprocess.run(
+        [
+            cc if shutil.which(cc) else "cc",
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-o",
+            str(libdir / "libcuda.so.1"),
+            str(ROOT / "tests" / "fakecuda" / "libcuda_fake.c"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(bindir), "/usr/bin", "/bin"])
+    env["LD_LIBRARY_PATH"] = str(libdir)
+    env["GPU_CHECK_VENV"] = str(tmp_path / "venv")
+    env["GPU_CHECK_LOGS"] = str(tmp_path / "logs")
+    env["TMPDIR"] = str(tmp_path)
+    env["PYTHON"] = sys.executable
+    report = tmp_path / "report.md"
+    p = subprocess.run(
+        ["bash", str(SCRIPT), "--no-install", "-o", str(report)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+    )
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert not (tmp_path / "venv").exists()
+    text = report.read_text()
+    assert "`bash benchmarks/gpu_check.sh --no-install`" in text
+    assert "- CUDA driver: 12.4" in text
+    assert f"| use {sys.executable} as it is (--no-install) | FAILED (exit 1) |" in text
+    assert "No module named 'cupy'" in text
+    # Nothing after the failed first step ran.
+    assert "gpucx info reports CUDA" not in text
+    assert (tmp_path / "logs").is_dir()
