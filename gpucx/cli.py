@@ -34,11 +34,15 @@ def _info_parser(sub) -> None:
 
 
 def _cmd_info(args) -> int:
+    from ._stdio import take_stdout
     from .info import collect, format_info
 
+    # The JSON is read by programs: UCX's log (stdout by default) goes to
+    # stderr meanwhile.
+    out = take_stdout() if args.json else None
     info = collect()
-    if args.json:
-        print(json.dumps(info, indent=2, sort_keys=True))
+    if out is not None:
+        out.write((json.dumps(info, indent=2, sort_keys=True) + "\n").encode())
     else:
         print(format_info(info))
     return 0

@@ -369,6 +369,21 @@ def test_info_text():
     assert "does not cross UCX minor versions" in p.stdout
 
 
+def test_info_json_with_ucx_logging_is_still_json():
+    """UCX logs to stdout by default; with ``--json`` its lines go to stderr
+    and stdout holds the JSON alone (``gpucx info --json | jq`` works)."""
+    p = subprocess.run(
+        [*GPUCX, "info", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "UCX_LOG_LEVEL": "info"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert "HOST" in json.loads(p.stdout)["memory_types"]
+    assert re.search(r"UCX +INFO", p.stderr), p.stderr[-2000:]
+
+
 def test_info_json():
     p = gpucx("info", "--json", timeout=60)
     assert p.returncode == 0, p.stderr

@@ -9,13 +9,13 @@ messages and runs its half of each measurement.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import traceback
 
 import gpucx
 
 from .._internal import abandon
+from .._stdio import take_stdout
 from .errors import BenchSetupError
 from .session import BadControlMessage, PeerGone, Session, context_config, quote
 from .suites import DEFAULT_TESTS, TESTS, Params, server_features
@@ -162,14 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--no-error-handling", action="store_true")
     args = ap.parse_args(argv)
-    # The address handshake keeps the original stdout to itself; whatever
-    # else reaches fd 1 goes to stderr, where the user sees it.  UCX logs to
-    # stdout by default (UCX_LOG_LEVEL=info, the UCX_PROTO_INFO tables): in
-    # the pipe, its first line would have ended the handshake, and unread
-    # lines would have filled the pipe and stalled this peer.
-    control = os.fdopen(os.dup(1), "wb", buffering=0)
-    sys.stdout.flush()
-    os.dup2(2, 1)
+    # The address handshake keeps the original stdout to itself: a UCX log
+    # line in the pipe would end the handshake, and unread ones would fill
+    # the pipe and stall this peer.
+    control = take_stdout()
     _use_device(args.device)
     eh = not args.no_error_handling
     with gpucx.Context(config=context_config(args.tls)) as ctx:
