@@ -490,6 +490,81 @@ def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
     region.close()
 
 
+def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx, cuda_cfg):
+    """A call given no ``stream=`` never waits for the GPU: with a kernel held
+    on a non-blocking stream, host-memory tag, AM, put + flush and atomics,
+    a new endpoint and a new context all complete while the kernel waits.
+    (Each kind runs once before the kernel is queued: UCX's one-time CUDA
+    setup in a process can wait for the device; see docs/gpu.md, "Streams".)
+    """
+    pair = Pair(cuda_ctx)
+    a, b, ab, mem, region, key = _amo_pair(cuda_ctx)
+    hsrc = np.arange(4096, dtype=np.uint64).astype(np.uint8)
+    hdst = np.zeros_like(hsrc)
+    one = np.ones(1, np.uint64)
+
+    def tag(p=pair):
+        hdst[:] = 0
+        p.drive(p.ab.send_nb(hsrc, tag=31), p.b.recv_nb(hdst, tag=31), timeout=30)
+        assert (hdst == hsrc).all()
+
+    def am():
+        hdst[:] = 0
+        pair.drive(
+            pair.b.am_recv_nb(32, hdst), pair.ab.am_send_nb(32, hsrc), timeout=30
+        )
+        assert (hdst == hsrc).all()
+
+    def put_flush():
+        ab.put(one, key, offset=8)
+        ab.flush()
+
+    def atomic():
+        ab.fetch_add(key, 1)
+
+    def new_endpoint():
+        ep = pair.a.connect(pair.b.address)
+        hdst[:] = 0
+        pair.drive(ep.send_nb(hsrc, tag=33), pair.b.recv_nb(hdst, tag=33), timeout=30)
+        assert (hdst == hsrc).all()
+
+    def new_context():
+        with gpucx.Context(config=cuda_cfg) as c:
+            tag(Pair(c))
+
+    calls = [tag, am, put_flush, atomic, new_endpoint, new_context]
+    stop = threading.Event()
+
+    def serve():  # put, flush and atomics need b's worker progressing
+        while not stop.is_set():
+            b.progress()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    dev = _last_device(cupy)
+    try:
+        with cupy.cuda.Device(dev):
+            scratch = cupy.zeros(1 << 10, cupy.uint8)
+            for call in calls[:4]:
+                call()
+            cupy.cuda.runtime.deviceSynchronize()
+            s = cupy.cuda.Stream(non_blocking=True)
+            gate = _Gate(cupy, scratch, 3, s)
+            try:
+                for call in calls:
+                    call()
+                    assert not s.done, f"{call.__name__} waited for an unrelated stream"
+            finally:
+                gate.open()
+                s.synchronize()
+    finally:
+        stop.set()
+        t.join(30)
+    assert list(mem) == [2, 1]
+    assert int(scratch[0]) == 3
+    region.close()
+
+
 @pytest.mark.parametrize("form", ["blocking", "nb"])
 def test_probed_recv_with_stream_lands_after_queued_work(cupy, cpair, form):
     n = 1 << 16
