@@ -18,7 +18,8 @@
 #    get_bw at GPU_CHECK_SIZES (default 1M,64M): GPU to GPU (-m cuda), GPU
 #    and host memory mapped by UCX both ways (-m cuda:ucx, -m ucx:cuda: the
 #    host memory ucx_perftest uses), and GPU with NumPy host memory
-#    (-m cuda:host: pageable, so no like-for-like ratio);
+#    (-m cuda:host: pageable, so no like-for-like ratio); then the protocols
+#    UCX picks on those paths (UCX_PROTO_INFO=y), one table per operation;
 # 7. writes one Markdown report (default benchmarks/gpu-check-report.md) with
 #    the machine, every step's result and time, the tables, and the tail of
 #    the log of each failed step.  Logs and bench JSON go to GPU_CHECK_LOGS
@@ -97,6 +98,26 @@ bench() {   # bench MEMORY
     "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
+proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
+    sed 's/^\[[^]]*\] \[[^]]*\] *//' | awk '
+        /^\+-/ { next }
+        /cfg#[0-9]+ *\|$/ {
+            getline; keep = ($0 ~ /cuda/ && !seen[$0]++)
+            if (keep) { print ""; print }
+            next
+        }
+        keep && /^\|/ && !/^\| *Range *\|/ { print }'
+}
+protocols() {   # which UCX protocols move GPU data: one line per size range
+    local m rc=0
+    for m in cuda cuda:ucx ucx:cuda; do
+        UCX_PROTO_INFO=y "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw \
+            -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$m" -n 20 -w 2 --no-progress \
+            > "$LOGS/proto-${m/:/-}.txt" 2>&1 || rc=1
+    done
+    cat "$LOGS"/proto-*.txt | proto_tables
+    return $rc
+}
 
 if [ $INSTALL -eq 1 ]; then
     step "install gpucx[test,cuda12]" install
@@ -113,6 +134,7 @@ if [ $? -eq 0 ]; then
     step "gpucx bench -m cuda:ucx vs ucx_perftest" bench cuda:ucx
     step "gpucx bench -m ucx:cuda vs ucx_perftest" bench ucx:cuda
     step "gpucx bench -m cuda:host (NumPy host memory) vs ucx_perftest" bench cuda:host
+    step "UCX protocols of the GPU paths (UCX_PROTO_INFO)" protocols
 fi
 
 # -- the report ------------------------------------------------------------------
@@ -139,6 +161,8 @@ summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)' "$1
         case "$name" in
             "gpucx info"*|"gpucx bench"*)
                 echo; echo "## $name"; echo; echo '```text'; grep -v '^WARNING' "$log" | tail -n 40; echo '```' ;;
+            "UCX protocols"*)
+                echo; echo "## $name"; echo; echo '```text'; head -n 200 "$log"; echo '```' ;;
         esac
         if [ "$status" != ok ]; then
             echo; echo "## $name: log tail"; echo; echo '```text'; tail -n 60 "$log"; echo '```'

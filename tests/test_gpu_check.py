@@ -148,3 +148,48 @@ def test_no_install_uses_the_given_python_and_reports_what_it_lacks(tmp_path):
     # Nothing after the failed first step ran.
     assert "gpucx info reports CUDA" not in text
     assert (tmp_path / "logs").is_dir()
+
+
+def test_protocol_tables_keep_each_cuda_table_once():
+    """gpu_check.sh's filter of UCX_PROTO_INFO output, on what UCX 1.22
+    printed for ``gpucx bench -t tag_bw -s 16M -m cuda:ucx`` on an H200
+    (tests/ucx_proto_info_h200.txt, both processes): the tables whose
+    operation names CUDA memory, each once, without borders, headers or
+    UCX's log prefix; tables about host memory alone are left out."""
+    script = SCRIPT.read_text()
+    start = script.index("proto_tables() {")
+    func = script[start : script.index("\n}\n", start) + 3]
+    sample = ROOT / "tests" / "ucx_proto_info_h200.txt"
+    p = subprocess.run(
+        ["bash", "-c", func + f'proto_tables < "{sample}"'],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert p.returncode == 0, p.stderr
+    blocks = [b.splitlines() for b in p.stdout.strip().split("\n\n")]
+    titles = [" ".join(b[0].strip("| ").split()) for b in blocks]
+    assert titles == [
+        "remote memory write by ucp_put* from host memory to cuda/dev[0]",
+        "tagged message by ucp_tag_send* from cuda/GPU0",
+        "remote memory write by ucp_put* from host memory to cuda",
+        "rendezvous data fetch into host memory from cuda",
+        "rendezvous data send from cuda/GPU0 to host",
+    ]
+    rows = {
+        t: [" ".join(r.split()) for r in b[1:]]
+        for t, b in zip(titles, blocks, strict=True)
+    }
+    assert rows["rendezvous data fetch into host memory from cuda"] == [
+        "| 0 | no data fetch | |",
+        "| 1..8240 | (?) fragmented copy-in copy-out | sysv/memory |",
+        "| 8241..4M | (?) zero-copy flushed write to remote, cuda_copy, frag cuda "
+        "| cuda_ipc/cuda |",
+        "| 4194305..inf | (?) fragmented copy-in copy-out | sysv/memory |",
+    ]
+    assert rows["tagged message by ucp_tag_send* from cuda/GPU0"] == [
+        "| 0 | eager short | sysv/memory |",
+        "| 1..inf | (?) rendezvous zero-copy flushed write to remote | cuda_ipc/cuda |",
+    ]
+    assert "[" not in p.stdout.split("|")[0]
+    assert "+--" not in p.stdout and "Range" not in p.stdout
