@@ -561,3 +561,39 @@ def test_table_notes_one_way_latency():
     }
     text = format_table([r], with_perftest=True)
     assert "one-way" in text and "0.5" in text.splitlines()[2]
+
+
+def _bw_row(memory: str) -> dict:
+    return {
+        "test": "tag_bw",
+        "size": 1 << 20,
+        "iters": 1,
+        "latency_us": None,
+        "latency_p99_us": None,
+        "latency_avg_us": 100.0,
+        "bandwidth_gbs": 10.0,
+        "msg_rate": 1.0,
+        "ratio": 0.2,
+        "memory": memory,
+        "perftest": {"latency_us": 20.0, "bandwidth_gbs": 47.0},
+    }
+
+
+@pytest.mark.parametrize(
+    "memory, noted",
+    [
+        ("host", True),
+        ("cuda:host", True),
+        ("host:ucx", True),
+        ("ucx", False),
+        ("cuda", False),
+        ("cuda:ucx", False),
+    ],
+)
+def test_table_says_when_host_memory_is_not_perftest_s(memory, noted):
+    """NumPy host memory against perftest's UCX-mapped buffers is not like for
+    like (on a GPU, receiving into it ran at a fifth of perftest's speed):
+    the table says so, and names -m ucx."""
+    text = format_table([_bw_row(memory)], with_perftest=True)
+    assert ("-m ucx in place of host" in text) == noted
+    assert "-m ucx in place of host" not in format_table([_bw_row(memory)])

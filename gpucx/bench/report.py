@@ -127,6 +127,11 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
             "latency / gpucx median latency for *_lat tests (1 = same speed, "
             "higher = gpucx faster)."
         )
+        if any("host" in r.get("memory", "host").split(":") for r in results):
+            notes.append(
+                "host memory: gpucx's is NumPy's, ucx_perftest maps its own "
+                "through UCX; -m ucx in place of host compares like for like."
+            )
     return "\n".join(lines + notes)
 
 
