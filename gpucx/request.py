@@ -50,6 +50,7 @@ INPROGRESS = lib.UCS_INPROGRESS
 OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 CANCELED = lib.UCS_ERR_CANCELED
+_SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
@@ -259,6 +260,14 @@ def finish(
 
 def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     """Raise the error for a failed operation (one place for every op)."""
+    if st == _SHMEM_SEGMENT and ep is not None and ep._h is not None:
+        # UCX could not attach the peer's shared-memory segment: a local peer
+        # that died before gpucx's liveness check looked is the usual cause.
+        from . import _liveness
+
+        if not _liveness.peer_alive(ep):
+            pid = ep._w._watched.pop(ep)[0]
+            _liveness.peer_died(ep._w, ep, f"peer process {pid} died")
     if ep is not None and ep._state is not None and ep._state.error != OK:
         # The endpoint failed: report the endpoint's cause (peer death), not
         # the secondary status of the request.

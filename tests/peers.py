@@ -46,3 +46,13 @@ def die_before_receiving(q):
     ep.send(b"ready", tag=1)
     q.get()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def connect_then_die(tls, chan):
+    """Connect back, then die when told, without answering."""
+    ctx = gpucx.Context(config=transport_config(tls))
+    w = ctx.create_worker()
+    chan.put(w.address)
+    w.connect(chan.get())
+    chan.get()
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,7 @@ from conftest import (
     spawn,
     transport_config,
 )
-from peers import die_before_receiving, echo_server
+from peers import connect_then_die, die_before_receiving, echo_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,3 +71,25 @@ def test_peer_death_fails_pending_send():
             ep.send(b"x" * 100, tag=3)
         ep.close()
     assert child.exitcode is not None and child.exitcode < 0
+
+
+@pytest.mark.parametrize("tls", ["tcp", "shm"])
+def test_send_to_a_peer_that_just_died_raises_peer_error(tls):
+    """A 64 KiB send posted right after the peer died, before gpucx's
+    liveness check looked: over TCP UCX reports the peer; over shared memory
+    it fails with "Shared memory error" (the dead peer's segment is gone),
+    which gpucx reports as the PeerError it is once /proc confirms it."""
+    q, theirs = channel_pair()
+    child = spawn(connect_then_die, tls, theirs)
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(q.get(60))
+        q.put(w.address)
+        q.put("die")
+        child.join(30)
+        assert child.exitcode is not None
+        with pytest.raises(gpucx.PeerError, match="peer process|Endpoint timeout"):
+            ep.send(np.ones(1 << 16, np.uint8), tag=1, timeout=30)
+        assert isinstance(ep.error, gpucx.PeerError)
+        with pytest.raises(gpucx.PeerError):
+            ep.send(b"x" * 100, tag=2)

@@ -14,6 +14,7 @@ static const int UCS_OK;
 static const int UCS_INPROGRESS;
 static const int UCS_ERR_IO_ERROR;
 static const int UCS_ERR_NO_MEMORY;
+static const int UCS_ERR_SHMEM_SEGMENT;
 static const int UCS_ERR_INVALID_PARAM;
 static const int UCS_ERR_UNREACHABLE;
 static const int UCS_ERR_INVALID_ADDR;
