@@ -21,6 +21,7 @@ import gpucx
 
 from conftest import Pair, channel_pair, join_ok, spawn
 from peers_cuda import array_echo, cuda_echo, cuda_region_owner, pattern
+from test_rma import background
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
 
@@ -451,15 +452,8 @@ def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
         scratch = cupy.zeros(1 << 10, cupy.uint8)
         cupy.cuda.runtime.deviceSynchronize()
         s = cupy.cuda.Stream(non_blocking=True)
-        stop = threading.Event()
-
-        def serve():  # the blocking form needs the target worker progressing
-            while not stop.is_set():
-                b.progress()
-
-        t = threading.Thread(target=serve, daemon=True)
-        t.start()
-        try:
+        # The blocking form needs the target worker progressing.
+        with background(b):
             # The endpoint's first atomic, before any kernel is queued: UCX
             # sets up its CUDA resources on first use, which can wait for the
             # device to idle (docs/gpu.md, "Streams").
@@ -482,9 +476,6 @@ def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
             assert s.done and old == 1
             ab.atomic_add(key, 5, offset=8, stream=s)
             ab.flush()
-        finally:
-            stop.set()
-            t.join(30)
     assert list(mem) == [2, 5]
     assert int(scratch[0]) == 2
     region.close()
@@ -533,33 +524,22 @@ def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx, cuda
             tag(Pair(c))
 
     calls = [tag, am, put_flush, atomic, new_endpoint, new_context]
-    stop = threading.Event()
-
-    def serve():  # put, flush and atomics need b's worker progressing
-        while not stop.is_set():
-            b.progress()
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
     dev = _last_device(cupy)
-    try:
-        with cupy.cuda.Device(dev):
-            scratch = cupy.zeros(1 << 10, cupy.uint8)
-            for call in calls[:4]:
+    # Put, flush and atomics need b's worker progressing.
+    with background(b), cupy.cuda.Device(dev):
+        scratch = cupy.zeros(1 << 10, cupy.uint8)
+        for call in calls[:4]:
+            call()
+        cupy.cuda.runtime.deviceSynchronize()
+        s = cupy.cuda.Stream(non_blocking=True)
+        gate = _Gate(cupy, scratch, 3, s)
+        try:
+            for call in calls:
                 call()
-            cupy.cuda.runtime.deviceSynchronize()
-            s = cupy.cuda.Stream(non_blocking=True)
-            gate = _Gate(cupy, scratch, 3, s)
-            try:
-                for call in calls:
-                    call()
-                    assert not s.done, f"{call.__name__} waited for an unrelated stream"
-            finally:
-                gate.open()
-                s.synchronize()
-    finally:
-        stop.set()
-        t.join(30)
+                assert not s.done, f"{call.__name__} waited for an unrelated stream"
+        finally:
+            gate.open()
+            s.synchronize()
     assert list(mem) == [2, 1]
     assert int(scratch[0]) == 3
     region.close()
@@ -581,19 +561,8 @@ def test_probed_recv_with_stream_lands_after_queued_work(cupy, cpair, form):
     # posted after it, so the received bytes win.
     _late_write(cupy, dst, 7, s)
     if form == "blocking":
-        stop = threading.Event()
-
-        def serve():  # the sender's worker answers the rendezvous meanwhile
-            while not stop.is_set():
-                cpair.a.progress()
-
-        t = threading.Thread(target=serve, daemon=True)
-        t.start()
-        try:
+        with background(cpair.a):  # the sender answers the rendezvous meanwhile
             info = msg.recv(dst, timeout=30, stream=s)
-        finally:
-            stop.set()
-            t.join(30)
         cpair.drive(req)
     else:
         rreq = msg.recv_nb(dst, stream=s)
