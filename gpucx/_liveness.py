@@ -58,13 +58,23 @@ def check(worker, now: float | None = None) -> None:
         return
     worker._peer_check_at = now + worker._peer_interval
     watched = worker._watched
-    for ep, (pid, start) in list(watched.items()):
+    for ep in list(watched):
         if ep._h is None or ep._state.error != lib.UCS_OK:
             del watched[ep]
-        elif not proc_alive(pid, start):
-            del watched[ep]
-            peer_died(worker, ep, f"peer process {pid} died")
+        else:
+            check_peer(worker, ep)
     sweep_parked(worker)
+
+
+def check_peer(worker, ep) -> bool:
+    """Look at ``ep``'s peer now, whatever the interval: if it is a process
+    of this host that died, fail ``ep`` (:func:`peer_died`) and return True."""
+    peer = worker._watched.get(ep)
+    if peer is None or proc_alive(*peer):
+        return False
+    del worker._watched[ep]
+    peer_died(worker, ep, f"peer process {peer[0]} died")
+    return True
 
 
 def peer_died(worker, ep, reason: str) -> None:

@@ -265,9 +265,7 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
         # that died before gpucx's liveness check looked is the usual cause.
         from . import _liveness
 
-        if not _liveness.peer_alive(ep):
-            pid = ep._w._watched.pop(ep)[0]
-            _liveness.peer_died(ep._w, ep, f"peer process {pid} died")
+        _liveness.check_peer(ep._w, ep)
     if ep is not None and ep._state is not None and ep._state.error != OK:
         # The endpoint failed: report the endpoint's cause (peer death), not
         # the secondary status of the request.
