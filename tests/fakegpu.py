@@ -17,6 +17,8 @@ through a GPU protocol, so that the CAI and DLPack paths of
 - :class:`FakeDriver`: stands in for the CUDA driver (``libcuda.so.1``) in
   :mod:`gpucx.mem.cuda`; it owns no GPU, records every call in order and
   reports events as complete after a set number of polls.
+- :func:`build_fake_libcuda`: compiles ``tests/fakecuda/libcuda_fake.c``, a
+  shared library with the driver API's names and no GPU behind them.
 
 Nothing here may touch the memory as if it were on a GPU: it is host memory,
 and the tests read and write it directly to check the reported pointers.
@@ -25,6 +27,10 @@ and the tests read and write it directly to check the reported pointers.
 from __future__ import annotations
 
 import ctypes
+import os
+import shutil
+import subprocess
+import sysconfig
 from typing import Any
 
 import numpy
@@ -500,3 +506,24 @@ class FakeDriver:
         # The fake "device" memory is host memory: a plain copy.
         self._log("memcpy", dst, src, nbytes)
         ctypes.memmove(dst, src, nbytes)
+
+
+#: The fake driver library's source (a test double for ``libcuda.so.1``).
+FAKE_LIBCUDA_SOURCE = os.path.join(
+    os.path.dirname(__file__), "fakecuda", "libcuda_fake.c"
+)
+
+
+def build_fake_libcuda(out) -> str:
+    """Compile :data:`FAKE_LIBCUDA_SOURCE` into the shared library ``out``
+    (with Python's C compiler, else ``cc``); return its path."""
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        cc = "cc"
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-O1", "-o", str(out), FAKE_LIBCUDA_SOURCE],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return str(out)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 
 import pytest
+
+from fakegpu import build_fake_libcuda
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -108,21 +108,7 @@ def test_no_install_uses_the_given_python_and_reports_what_it_lacks(tmp_path):
     bindir = _fake_nvidia_smi(tmp_path, "GPU 0: Fake GPU (UUID: GPU-0)")
     libdir = tmp_path / "fakelib"
     libdir.mkdir()
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    subprocess.run(
-        [
-            cc if shutil.which(cc) else "cc",
-            "-shared",
-            "-fPIC",
-            "-O1",
-            "-o",
-            str(libdir / "libcuda.so.1"),
-            str(ROOT / "tests" / "fakecuda" / "libcuda_fake.c"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
+    build_fake_libcuda(libdir / "libcuda.so.1")
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(bindir), "/usr/bin", "/bin"])
     env["LD_LIBRARY_PATH"] = str(libdir)

@@ -10,10 +10,6 @@ that otherwise first runs on a GPU machine.
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-import sysconfig
 import time
 
 import numpy as np
@@ -23,27 +19,16 @@ import gpucx
 from gpucx.mem import cuda as gcuda
 
 from conftest import Pair
-from fakegpu import FakeCudaArrayV2, FakeCupyStream
+from fakegpu import FakeCudaArrayV2, FakeCupyStream, build_fake_libcuda
 
 pytestmark = pytest.mark.timeout(60)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "fakecuda", "libcuda_fake.c")
 CUDA = int(gpucx.MemoryType.CUDA)
 
 
 @pytest.fixture(scope="module")
 def fake_lib_path(tmp_path_factory):
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if shutil.which(cc) is None:
-        cc = "cc"
-    out = tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so"
-    subprocess.run(
-        [cc, "-shared", "-fPIC", "-O1", "-o", str(out), SOURCE],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return str(out)
+    return build_fake_libcuda(tmp_path_factory.mktemp("fakecuda") / "libcuda_fake.so")
 
 
 @pytest.fixture
