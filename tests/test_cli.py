@@ -38,9 +38,14 @@ RESULT_KEYS = {
 ENV_KEYS = {"ucx_version", "transports", "cpu", "gpus", "gpucx_version", "tls"}
 
 
-def gpucx(*args, timeout=150):
+def gpucx(*args, timeout=150, env=None):
+    """Run the gpucx command; ``env``: variables added to this environment."""
     return subprocess.run(
-        [*GPUCX, *args], capture_output=True, text=True, timeout=timeout
+        [*GPUCX, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -171,13 +176,10 @@ def test_ucx_logging_on_stdout_does_not_break_the_local_peer(tmp_path, env):
     the run: 'unexpected line from the local peer')."""
     out = tmp_path / "bench.json"
     key, value = env.split("=")
-    p = subprocess.run(
-        [*GPUCX, "bench", "-t", "tag_bw,put_bw", "-s", "64K", *QUICK, "--json", out],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env={**os.environ, key: value},
-    )
+    p = gpucx(
+        "bench", "-t", "tag_bw,put_bw", "-s", "64K", *QUICK, "--json", str(out),
+        env={key: value},
+    )  # fmt: skip
     assert p.returncode == 0, (p.stdout, p.stderr)
     results = json.loads(out.read_text())["results"]
     assert [r["test"] for r in results] == ["tag_bw", "put_bw"]
@@ -372,13 +374,7 @@ def test_info_text():
 def test_info_json_with_ucx_logging_is_still_json():
     """UCX logs to stdout by default; with ``--json`` its lines go to stderr
     and stdout holds the JSON alone (``gpucx info --json | jq`` works)."""
-    p = subprocess.run(
-        [*GPUCX, "info", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "UCX_LOG_LEVEL": "info"},
-    )
+    p = gpucx("info", "--json", timeout=60, env={"UCX_LOG_LEVEL": "info"})
     assert p.returncode == 0, p.stderr
     assert "HOST" in json.loads(p.stdout)["memory_types"]
     assert re.search(r"UCX +INFO", p.stderr), p.stderr[-2000:]
