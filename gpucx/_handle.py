@@ -66,6 +66,7 @@ class Handle:
     _deadline: float | None = None
     _pid: int = 0
     _is_worker = False
+    _is_endpoint = False
     _parent: Handle | None = None
     #: Children adopted and not yet closed.
     _live = 0

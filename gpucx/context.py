@@ -143,6 +143,24 @@ class Context(Handle):
     register = _region.register
     allocate = _region.allocate
 
+    def _close_children(self) -> None:
+        # Every worker's endpoints first, while all the workers live: a
+        # flush close needs its peer to progress, and the peer may be a
+        # sibling worker.  Closed worker by worker, the second worker's
+        # endpoints would wait out the deadline for a peer already destroyed
+        # with operations it had not served (an emulated put's completion).
+        deadline = self._deadline
+        workers = [c for c in self._children if c._is_worker]
+        for w in sorted(workers, key=lambda c: c._serial, reverse=True):
+            eps = [c for c in w._children if c._is_endpoint]
+            for ep in sorted(eps, key=lambda c: c._serial, reverse=True):
+                if ep._deadline is None or (
+                    deadline is not None and ep._deadline > deadline
+                ):
+                    ep._deadline = deadline
+                ep.close()
+        super()._close_children()
+
     def _release(self) -> None:
         if self._deferred_maps:
             # An array view of UCX-allocated memory is still alive: the

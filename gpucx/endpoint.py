@@ -34,6 +34,8 @@ class Endpoint(Handle):
     through the endpoint; tag receives are worker-wide.
     """
 
+    _is_endpoint = True
+
     _borrowed = False
     #: True while close() runs (keys unpacked on it defer to it).
     _closing = False

@@ -30,6 +30,10 @@ _DUE_AM = lib.GPUCX_DUE_AM
 _DUE_NOTIFY = lib.GPUCX_DUE_NOTIFY
 _DUE_DROPS = lib.GPUCX_DUE_DROPS
 _COUNT = ~lib.GPUCX_DUE & 0xFFFFFFFF
+#: At most this many ``ucp_worker_progress`` calls a closing worker makes to
+#: serve what its peers already sent (bounded: a flooding peer cannot hold
+#: the close).
+_CLOSE_SERVE_ROUNDS = 64
 
 
 class Worker(Handle):
@@ -350,6 +354,16 @@ class Worker(Handle):
 
     def _park(self, slot, keep) -> None:
         self._parked.append((slot, keep))
+
+    def _close_children(self) -> None:
+        # Serve what peers already sent before the endpoints go: an emulated
+        # put or atomic waits for this worker's answer, and the peer's
+        # flush (a sibling worker's close too) would wait out its deadline.
+        h = self._h
+        for _ in range(_CLOSE_SERVE_ROUNDS):
+            if not lib.ucp_worker_progress(h):
+                break
+        super()._close_children()
 
     def _release(self) -> None:
         h = self._h

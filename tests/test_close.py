@@ -183,6 +183,52 @@ def test_context_close_with_everything_outstanding(tls):
         pair.a.progress()
 
 
+def _put_unserved(pair: Pair, region, nbytes: int) -> np.ndarray:
+    """A put from worker a into b's region that completes at once (an
+    emulated put under peer error handling, or a short one): b has served
+    nothing yet, and a's flush needs b's answer.  Returns the source."""
+    src = np.arange(nbytes, dtype=np.uint8)
+    key = pair.ab.unpack(region.remote())
+    pair.drive(pair.ab.put_nb(src, key, 0))
+    key.close()
+    return src
+
+
+@pytest.mark.parametrize("nbytes", [8, 256 << 10])
+def test_context_close_serves_a_put_between_its_own_workers(tls, nbytes):
+    """Two workers of one context, a put from one into the other's NumPy
+    region not yet served when the context closes: the close delivers it
+    and stays far inside its deadline (it used to wait all of
+    ``CLOSE_TIMEOUT_S`` for the worker it had destroyed first)."""
+    ctx = gpucx.Context(config=TRANSPORTS[tls])
+    pair = Pair(ctx)
+    dst = np.zeros(nbytes, np.uint8)
+    region = ctx.register(dst)
+    src = _put_unserved(pair, region, nbytes)
+    t0 = time.monotonic()
+    ctx.close()
+    assert time.monotonic() - t0 < _handle.CLOSE_TIMEOUT_S / 2
+    assert np.array_equal(dst, src)
+
+
+@pytest.mark.parametrize("order", ["target-first", "source-first"])
+def test_worker_close_serves_what_its_peers_sent(tls, order):
+    """Closing the target worker of an unserved put first serves the put,
+    so the source worker's flush close needs nobody: both closes are quick
+    in either order and the data is there."""
+    with gpucx.Context(config=TRANSPORTS[tls]) as ctx:
+        pair = Pair(ctx)
+        dst = np.zeros(4096, np.uint8)
+        region = ctx.register(dst)
+        src = _put_unserved(pair, region, 4096)
+        first, second = (pair.b, pair.a)[:: 1 if order == "target-first" else -1]
+        t0 = time.monotonic()
+        first.close()
+        second.close()
+        assert time.monotonic() - t0 < _handle.CLOSE_TIMEOUT_S / 2
+        assert np.array_equal(dst, src)
+
+
 @pytest.mark.parametrize("tls", ["tcp", "shm"])
 def test_peer_worker_close_is_reported_on_the_next_operation(tls):
     """The peer closed its worker: the next operation that needs the peer
