@@ -14,7 +14,8 @@ Measures between two processes on this host (default UCX transports):
   ``worker.am_recv_nb`` (matched in the UCX callback, no Python per
   message delivered, one call per message posted); and a round of them
   posted with one ``worker.am_recv_many_nb`` call.  The receiver acks each
-  round; the sender stays at most ``DEPTH`` rounds ahead;
+  round (at least 64 MiB); the sender stays at most ``DEPTH`` rounds ahead;
+  a run is ``--bw-rounds`` rounds, and perftest sends as many messages;
 * with ``--only lat``: 64 KiB and 1 MiB AM latency through handlers on
   both sides (each payload received before the reply), with
   ``receive_into`` and with a one-buffer receive pool, against
@@ -29,7 +30,7 @@ Measures between two processes on this host (default UCX transports):
 Usage::
 
     .venv/bin/python benchmarks/bench_am.py [--rounds R] [--lat-iters N] [--bw-iters N]
-        [--error-handling] [--only bw,rate,lat]
+        [--bw-rounds K] [--error-handling] [--only bw,rate,lat]
 
 ``--error-handling`` creates every endpoint with peer error handling
 (gpucx's default) and runs perftest with ``-e``.
@@ -475,11 +476,12 @@ def one_round(a, port: int) -> dict:
     for size in (MIB, 16 * MIB):
         # At least 64 MiB per ack, so the per-round ack is negligible.
         n = max(a.bw_iters, 64 * MIB // size)
-        bw = gpucx_bw(size, n, "am")
-        _, pbw = perftest("ucp_am_bw", size, n * 8, port + size // MIB)  # as many
-        pool = gpucx_bw(size, n, "pool")
-        posted = gpucx_bw(size, n, "posted")
-        group = gpucx_bw(size, n, "group")
+        k = a.bw_rounds
+        bw = gpucx_bw(size, n, "am", rounds=k)
+        _, pbw = perftest("ucp_am_bw", size, n * k, port + size // MIB)  # as many
+        pool = gpucx_bw(size, n, "pool", rounds=k)
+        posted = gpucx_bw(size, n, "posted", rounds=k)
+        group = gpucx_bw(size, n, "group", rounds=k)
         out[f"AM {size // MIB} MiB, handler (MiB/s)"] = (bw, pbw, bw / pbw)
         out[f"AM {size // MIB} MiB, handler+pool (MiB/s)"] = (pool, pbw, pool / pbw)
         out[f"AM {size // MIB} MiB, posted (MiB/s)"] = (posted, pbw, posted / pbw)
@@ -496,6 +498,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lat-iters", type=int, default=20000)
     ap.add_argument("--bw-iters", type=int, default=32)
+    ap.add_argument(
+        "--bw-rounds",
+        type=int,
+        default=32,
+        help="acked rounds of at least 64 MiB in each 1 MiB and 16 MiB "
+        "bandwidth run; perftest sends as many messages (default 32: "
+        "shorter runs charge gpucx's pipeline fill and last ack to a few "
+        "tens of milliseconds)",
+    )
     ap.add_argument("--port", type=int, default=13470)
     ap.add_argument(
         "--error-handling",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from . import config as _config
 from ._handle import Handle, raise_closed, register_root
@@ -144,14 +145,21 @@ class Context(Handle):
     allocate = _region.allocate
 
     def _close_children(self) -> None:
-        # Every worker's endpoints first, while all the workers live: a
-        # flush close needs its peer to progress, and the peer may be a
-        # sibling worker.  Closed worker by worker, the second worker's
-        # endpoints would wait out the deadline for a peer already destroyed
-        # with operations it had not served (an emulated put's completion).
+        # Every worker serves what its peers sent, then every worker's
+        # endpoints close, while all the workers live: a flush close needs
+        # its peer to progress, and the peer may be a sibling worker.
+        # Closed worker by worker, the second worker's endpoints would wait
+        # out the deadline for a peer already destroyed with operations it
+        # had not served (an emulated put's completion).
         deadline = self._deadline
-        workers = [c for c in self._children if c._is_worker]
-        for w in sorted(workers, key=lambda c: c._serial, reverse=True):
+        workers: list[Any] = sorted(
+            (c for c in self._children if c._is_worker and c._h is not None),
+            key=lambda c: c._serial,
+            reverse=True,
+        )
+        for w in workers:
+            w._serve()
+        for w in workers:
             eps = [c for c in w._children if c._is_endpoint]
             for ep in sorted(eps, key=lambda c: c._serial, reverse=True):
                 if ep._deadline is None or (

@@ -355,14 +355,19 @@ class Worker(Handle):
     def _park(self, slot, keep) -> None:
         self._parked.append((slot, keep))
 
-    def _close_children(self) -> None:
-        # Serve what peers already sent before the endpoints go: an emulated
-        # put or atomic waits for this worker's answer, and the peer's
-        # flush (a sibling worker's close too) would wait out its deadline.
+    def _serve(self) -> None:
+        """Progress UCX until it reports nothing more (bounded; no Python
+        handlers run): a closing worker serves what its peers already sent
+        before its endpoints go, since an emulated put or atomic waits for
+        this worker's answer and the peer's flush (a sibling worker's close
+        too) would wait out its deadline."""
         h = self._h
         for _ in range(_CLOSE_SERVE_ROUNDS):
             if not lib.ucp_worker_progress(h):
                 break
+
+    def _close_children(self) -> None:
+        self._serve()
         super()._close_children()
 
     def _release(self) -> None:
