@@ -129,7 +129,10 @@ class Worker(Handle):
             if n & _DUE_DROPS:  # a queue cap dropped some
                 _bounds.dropped(self)
             n &= _COUNT
-        if self._watched:  # peers on this host: look at them now and then
+        if self._watched or self._parked:
+            # Peers on this host, or operations UCX still held when their
+            # endpoint failed: look at them now and then (a loop of
+            # progress() alone must also free what UCX lets go of).
             self._peer_tick -= 1
             if self._peer_tick <= 0:
                 self._peer_tick = _live.PROGRESS_STRIDE

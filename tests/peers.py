@@ -48,6 +48,18 @@ def die_before_receiving(q):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def progress_then_die(tls, chan):
+    """Connect back and progress (messages arrive, nothing is received),
+    then die when told."""
+    ctx = gpucx.Context(config=transport_config(tls))
+    w = ctx.create_worker()
+    chan.put(w.address)
+    w.connect(chan.get())
+    while not chan.poll(0.001):
+        w.progress()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def connect_then_die(tls, chan):
     """Connect back, then die when told, without answering."""
     ctx = gpucx.Context(config=transport_config(tls))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+import weakref
+
 import numpy as np
 import pytest
 
@@ -14,7 +17,12 @@ from conftest import (
     spawn,
     transport_config,
 )
-from peers import connect_then_die, die_before_receiving, echo_server
+from peers import (
+    connect_then_die,
+    die_before_receiving,
+    echo_server,
+    progress_then_die,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +79,40 @@ def test_peer_death_fails_pending_send():
             ep.send(b"x" * 100, tag=3)
         ep.close()
     assert child.exitcode is not None and child.exitcode < 0
+
+
+@pytest.mark.parametrize("tls", ["default", "tcp", "shm"])
+def test_a_send_failed_by_a_dead_peer_frees_its_buffer_under_progress(tls):
+    """A rendezvous send the peer never received fails with PeerError when
+    the peer dies.  UCX may let go of it only after that (gpucx then keeps
+    the buffer parked): a loop of ``progress()`` alone, with no blocking
+    wait, still frees the buffer."""
+    q, theirs = channel_pair()
+    child = spawn(progress_then_die, tls, theirs)
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(q.get(60))
+        q.put(w.address)
+        buf = np.ones(8 << 20, np.uint8)  # rendezvous on every transport
+        freed = weakref.ref(buf)
+        req = ep.send_nb(buf, tag=1)
+        del buf
+        end = time.monotonic() + 0.2  # the peer sees the message arrive
+        while time.monotonic() < end:
+            w.progress()
+        q.put("die")
+        child.join(30)
+        assert child.exitcode is not None
+        end = time.monotonic() + 30
+        while not req.done():
+            w.progress()
+            assert time.monotonic() < end, "the send did not fail"
+        with pytest.raises(gpucx.PeerError):
+            req.result()
+        del req
+        while freed() is not None:
+            w.progress()
+            assert time.monotonic() < end, "the failed send's buffer is still held"
 
 
 @pytest.mark.parametrize("tls", ["tcp", "shm"])
