@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
@@ -81,18 +82,26 @@ def test_peer_death_fails_pending_send():
     assert child.exitcode is not None and child.exitcode < 0
 
 
+@contextlib.contextmanager
+def _peer_process(peer, tls):
+    """``peer(tls, chan)`` in a spawned process, connected both ways:
+    yields ``(chan, process, worker, endpoint)``."""
+    q, theirs = channel_pair()
+    child = spawn(peer, tls, theirs)
+    with gpucx.Context(config=transport_config(tls)) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(q.get(60))
+        q.put(w.address)
+        yield q, child, w, ep
+
+
 @pytest.mark.parametrize("tls", ["default", "tcp", "shm"])
 def test_a_send_failed_by_a_dead_peer_frees_its_buffer_under_progress(tls):
     """A rendezvous send the peer never received fails with PeerError when
     the peer dies.  UCX may let go of it only after that (gpucx then keeps
     the buffer parked): a loop of ``progress()`` alone, with no blocking
     wait, still frees the buffer."""
-    q, theirs = channel_pair()
-    child = spawn(progress_then_die, tls, theirs)
-    with gpucx.Context(config=transport_config(tls)) as ctx:
-        w = ctx.create_worker()
-        ep = w.connect(q.get(60))
-        q.put(w.address)
+    with _peer_process(progress_then_die, tls) as (q, child, w, ep):
         buf = np.ones(8 << 20, np.uint8)  # rendezvous on every transport
         freed = weakref.ref(buf)
         req = ep.send_nb(buf, tag=1)
@@ -121,12 +130,7 @@ def test_send_to_a_peer_that_just_died_raises_peer_error(tls):
     liveness check looked: over TCP UCX reports the peer; over shared memory
     it fails with "Shared memory error" (the dead peer's segment is gone),
     which gpucx reports as the PeerError it is once /proc confirms it."""
-    q, theirs = channel_pair()
-    child = spawn(connect_then_die, tls, theirs)
-    with gpucx.Context(config=transport_config(tls)) as ctx:
-        w = ctx.create_worker()
-        ep = w.connect(q.get(60))
-        q.put(w.address)
+    with _peer_process(connect_then_die, tls) as (q, child, _w, ep):
         q.put("die")
         child.join(30)
         assert child.exitcode is not None
