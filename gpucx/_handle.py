@@ -89,10 +89,15 @@ class Handle:
         return self._h is None
 
     def _close_children(self) -> None:
-        # Newest first: endpoints made from a listener close before it.
+        self._close_all(self._children)
+
+    def _close_all(self, children) -> None:
+        """Close ``children`` (of this handle or below it) within this
+        handle's deadline, newest first: endpoints made from a listener
+        close before it."""
         deadline = self._deadline
         for child in sorted(
-            list(self._children), key=lambda c: getattr(c, "_serial", 0), reverse=True
+            list(children), key=lambda c: getattr(c, "_serial", 0), reverse=True
         ):
             if deadline is not None and (
                 child._deadline is None or child._deadline > deadline

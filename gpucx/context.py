@@ -151,22 +151,12 @@ class Context(Handle):
         # Closed worker by worker, the second worker's endpoints would wait
         # out the deadline for a peer already destroyed with operations it
         # had not served (an emulated put's completion).
-        deadline = self._deadline
-        workers: list[Any] = sorted(
-            (c for c in self._children if c._is_worker and c._h is not None),
-            key=lambda c: c._serial,
-            reverse=True,
-        )
+        workers: list[Any] = [
+            c for c in self._children if c._is_worker and c._h is not None
+        ]
         for w in workers:
             w._serve()
-        for w in workers:
-            eps = [c for c in w._children if c._is_endpoint]
-            for ep in sorted(eps, key=lambda c: c._serial, reverse=True):
-                if ep._deadline is None or (
-                    deadline is not None and ep._deadline > deadline
-                ):
-                    ep._deadline = deadline
-                ep.close()
+        self._close_all(c for w in workers for c in w._children if c._is_endpoint)
         super()._close_children()
 
     def _release(self) -> None:

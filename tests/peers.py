@@ -48,23 +48,14 @@ def die_before_receiving(q):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def progress_then_die(tls, chan):
-    """Connect back and progress (messages arrive, nothing is received),
-    then die when told."""
+def connect_then_die(tls, chan, progress=False):
+    """Connect back, then die when told, without answering; with
+    ``progress``, progress meanwhile (messages arrive, none is received)."""
     ctx = gpucx.Context(config=transport_config(tls))
     w = ctx.create_worker()
     chan.put(w.address)
     w.connect(chan.get())
-    while not chan.poll(0.001):
+    while progress and not chan.poll(0.001):
         w.progress()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def connect_then_die(tls, chan):
-    """Connect back, then die when told, without answering."""
-    ctx = gpucx.Context(config=transport_config(tls))
-    w = ctx.create_worker()
-    chan.put(w.address)
-    w.connect(chan.get())
     chan.get()
     os.kill(os.getpid(), signal.SIGKILL)

@@ -18,12 +18,7 @@ from conftest import (
     spawn,
     transport_config,
 )
-from peers import (
-    connect_then_die,
-    die_before_receiving,
-    echo_server,
-    progress_then_die,
-)
+from peers import connect_then_die, die_before_receiving, echo_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,11 +78,11 @@ def test_peer_death_fails_pending_send():
 
 
 @contextlib.contextmanager
-def _peer_process(peer, tls):
-    """``peer(tls, chan)`` in a spawned process, connected both ways:
+def _peer_process(tls, progress=False):
+    """A spawned :func:`peers.connect_then_die`, connected both ways:
     yields ``(chan, process, worker, endpoint)``."""
     q, theirs = channel_pair()
-    child = spawn(peer, tls, theirs)
+    child = spawn(connect_then_die, tls, theirs, progress)
     with gpucx.Context(config=transport_config(tls)) as ctx:
         w = ctx.create_worker()
         ep = w.connect(q.get(60))
@@ -101,7 +96,7 @@ def test_a_send_failed_by_a_dead_peer_frees_its_buffer_under_progress(tls):
     the peer dies.  UCX may let go of it only after that (gpucx then keeps
     the buffer parked): a loop of ``progress()`` alone, with no blocking
     wait, still frees the buffer."""
-    with _peer_process(progress_then_die, tls) as (q, child, w, ep):
+    with _peer_process(tls, progress=True) as (q, child, w, ep):
         buf = np.ones(8 << 20, np.uint8)  # rendezvous on every transport
         freed = weakref.ref(buf)
         req = ep.send_nb(buf, tag=1)
@@ -130,7 +125,7 @@ def test_send_to_a_peer_that_just_died_raises_peer_error(tls):
     liveness check looked: over TCP UCX reports the peer; over shared memory
     it fails with "Shared memory error" (the dead peer's segment is gone),
     which gpucx reports as the PeerError it is once /proc confirms it."""
-    with _peer_process(connect_then_die, tls) as (q, child, _w, ep):
+    with _peer_process(tls) as (q, child, _w, ep):
         q.put("die")
         child.join(30)
         assert child.exitcode is not None
