@@ -12,7 +12,9 @@ def comm_server(tls, ch, mode):
     - ``"silent"``: accept one comm and never answer (the test kills us);
     - ``"stream"``: start writing 64 MiB messages forever (killed mid-way);
     - ``"burst-close"``: write 20 messages (small and 2 MiB), close the comm
-      and live on.
+      and live on;
+    - ``"write-pending"``: start writing one 64 MiB message and wait (the
+      test reads it or kills us).
     """
     import dask.config
     import numpy as np
@@ -28,6 +30,9 @@ def comm_server(tls, ch, mode):
                 big = np.ones(64 << 20, "u1")
                 while True:
                     await comm.write({"x": to_serialize(big)})
+            if mode == "write-pending":
+                big = np.ones(64 << 20, "u1")
+                asyncio.ensure_future(comm.write({"x": to_serialize(big)}))
             if mode == "burst-close":
                 for i in range(20):
                     x = np.full(2 << 20 if i % 2 else 10, i, "u1")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import subprocess
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -27,9 +29,10 @@ import gpucx.aio  # noqa: E402
 from gpucx.dask import GpucxBackend, GpucxConnector  # noqa: E402
 from gpucx.dask import _framing as fr  # noqa: E402
 from gpucx.dask import _runtime as rt  # noqa: E402
+from gpucx.request import INPROGRESS  # noqa: E402
 
 from conftest import channel_pair, spawn  # noqa: E402
-from peers_dask import comm_server  # noqa: E402
+from peers_dask import comm_server, sleeper  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -433,6 +436,122 @@ async def test_peer_killed_mid_transfer_to_us(tls):
                 await asyncio.wait_for(reader, 10)
                 reader = asyncio.ensure_future(comm.read())
         await comm.close()
+
+
+def _held(lw) -> list:
+    """Operations of ``lw``'s worker that UCX has not let go of."""
+    w = lw.w
+    return [r for r in w._pending if r._slot.status == INPROGRESS] + [
+        s for s, _ in w._parked if s.status == INPROGRESS
+    ]
+
+
+async def _dead_peer_with_a_message_on_its_way(comm, proc) -> None:
+    """Let the peer's 64 MiB message (control message and the rendezvous
+    request of its frame) reach us unread, then kill the peer."""
+    assert comm._dep is not comm._ep  # a data endpoint: no error handling
+    await asyncio.sleep(0.5)
+    proc.kill()
+    proc.join(10)
+
+
+@pytest.mark.parametrize("tls", ["tcp", "sm,tcp"])
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+@gen_test(timeout=60)
+async def test_a_dead_peers_unread_frame_is_not_received(tls, pidfd, monkeypatch):
+    """A message whose frame was still in the dead peer's memory fails the
+    read, and leaves nothing behind: a receive matched to it over the data
+    endpoint (no peer error handling) would never end in UCX and would hold
+    its 64 MiB buffer until the worker closes.  Also where the peer's
+    liveness comes from ``/proc`` (no pidfd)."""
+    if not pidfd:
+
+        def no_pidfd(pid):
+            raise OSError(38, "pidfd_open not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    async with comm_to_peer(tls, "write-pending") as (comm, proc):
+        assert (comm._peer.fd >= 0) == pidfd
+        await _dead_peer_with_a_message_on_its_way(comm, proc)
+        lw = comm._lw
+        with pytest.raises(CommClosedError):
+            await asyncio.wait_for(comm.read(), 10)
+        assert _held(lw) == []
+        assert lw.stranded_bytes() == 0
+        await comm.close()
+
+
+@gen_test(timeout=60)
+async def test_a_send_cut_short_by_the_peers_death_is_counted_and_limited(caplog):
+    """A 64 MiB frame the peer had not fetched when it died stays with UCX
+    (the data endpoint has no peer error handling, and UCX neither cancels
+    a send nor force-closes such an endpoint): the write fails, the frame
+    counts against ``max-stranded-bytes``, past it new comms of the loop get
+    no data endpoint (one warning), and the frame is freed when the loop's
+    last comm closes its worker."""
+    tls = "sm,tcp"
+    big = np.ones(64 << 20, "u1")
+    freed = weakref.ref(big)
+    with dask.config.set({"distributed-gpucx.max-stranded-bytes": "32MiB"}):
+        # A second comm keeps the loop's worker open, as in a Dask worker.
+        async with comm_to_peer(tls, "silent") as (keep, _):
+            lw = keep._lw
+            async with comm_to_peer(tls, "silent") as (comm, proc):
+                assert comm._lw is lw and comm._dep is not comm._ep
+                writer = asyncio.ensure_future(comm.write({"x": to_serialize(big)}))
+                del big
+                await asyncio.sleep(0.3)
+                assert not writer.done()  # the peer does not read
+                proc.kill()
+                with pytest.raises(CommClosedError):
+                    await asyncio.wait_for(writer, 10)
+                del writer
+            assert lw.w._h is not None
+            assert lw.stranded_bytes() == 64 << 20
+            assert freed() is not None
+            s = rt.settings()
+            assert not rt.data_endpoints_allowed(lw, s)
+            assert rt.data_endpoints_allowed(lw, s._replace(max_stranded=0))  # none
+            async with comm_to_peer(tls, "silent") as (other, _):
+                assert other._lw is lw
+                assert other._dep is other._ep  # the connection's endpoint only
+                assert other._peer is None
+                await other.close()
+            await keep.close()
+    assert caplog.text.count("max-stranded-bytes") == 1
+    assert lw.w._h is None and lw.stranded == []  # the worker closed
+    gc.collect()
+    assert freed() is None
+
+
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+def test_peer_process_liveness(pidfd, monkeypatch):
+    from gpucx._address import proc_start_time
+
+    if not pidfd:
+
+        def no_pidfd(pid):
+            raise OSError(38, "pidfd_open not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    child = spawn(sleeper)
+    try:
+        start = proc_start_time(child.pid)
+        peer = rt.PeerProcess(child.pid, start)
+        assert (peer.fd >= 0) == pidfd
+        assert peer.alive()
+        assert not rt.PeerProcess(child.pid, start + 1).alive()  # another process
+        child.kill()
+        end = time.monotonic() + 10
+        while peer.alive() and time.monotonic() < end:
+            time.sleep(0.01)
+        assert not peer.alive()
+        peer.close()
+        assert peer.fd == -1 and not peer.alive()
+    finally:
+        child.kill()
+        child.join(10)
+    assert not rt.PeerProcess(child.pid, start).alive()  # reaped
 
 
 def test_env_is_not_written(monkeypatch):

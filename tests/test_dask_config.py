@@ -52,17 +52,25 @@ def test_settings_follow_the_config():
             "distributed-gpucx.connect-timeout": "250ms",
             "distributed-gpucx.inline-threshold": "1 KiB",
             "distributed-gpucx.max-message-size": "1 MiB",
+            "distributed-gpucx.max-stranded-bytes": "2 MiB",
         }
     ):
         s = rt.settings()
     assert s.connect_timeout == 0.25
     assert s.inline_threshold == 1024
     assert s.limits.max_total_bytes == 1 << 20
+    assert s.max_stranded == 2 << 20
+    assert rt.settings().max_stranded == 512 << 20
 
 
 @pytest.mark.parametrize(
     "key, value",
-    [("connect-timeout", "0s"), ("inline-threshold", -1), ("progress", "spin")],
+    [
+        ("connect-timeout", "0s"),
+        ("inline-threshold", -1),
+        ("progress", "spin"),
+        ("max-stranded-bytes", -1),
+    ],
 )
 def test_bad_settings_are_refused(key, value):
     with (

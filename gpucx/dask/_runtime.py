@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
 import os
+import select
 import struct
 import weakref
 from typing import Any, NamedTuple
@@ -24,6 +26,8 @@ import gpucx.aio
 
 from ._buffers import ReceiveCache
 from ._framing import ENTRY, HEADER, Limits
+
+logger = logging.getLogger("gpucx.dask")
 
 #: The active-message id a client's HELLO travels on (the only AM the comm
 #: uses; the listener side learns the client's endpoint from it).
@@ -72,6 +76,7 @@ class Settings(NamedTuple):
     receive_cache_min: int
     receive_cache_ttl: float
     spin_us: float
+    max_stranded: int
 
 
 def _load_defaults() -> dict[str, Any]:
@@ -110,6 +115,7 @@ def settings() -> Settings:
     cache_min = parse_bytes(cfg["receive-cache-min-frame"])
     ttl = parse_timedelta(cfg["receive-cache-ttl"], "s")
     spin = parse_timedelta(cfg["spin"], "s")
+    stranded = parse_bytes(cfg["max-stranded-bytes"])
     if (
         ct is None
         or ct <= 0
@@ -122,11 +128,12 @@ def settings() -> Settings:
         or ttl <= 0
         or spin is None
         or spin < 0
+        or stranded < 0
     ):
         raise ValueError(
             "distributed-gpucx: connect-timeout and receive-cache-ttl must be "
             "> 0, close-timeout, inline-threshold, receive-cache, "
-            "receive-cache-min-frame and spin >= 0"
+            "receive-cache-min-frame, spin and max-stranded-bytes >= 0"
         )
     if cfg["progress"] not in ("event", "poll"):
         raise ValueError(
@@ -153,6 +160,7 @@ def settings() -> Settings:
         cache_min,
         ttl,
         round(spin * 1e6, 3),
+        stranded,
     )
 
 
@@ -200,6 +208,8 @@ class LoopWorker:
         self.w = self.aw.worker
         self.refs = 0
         self.parked: list = []  # data endpoints closed once idle
+        self.stranded: list = []  # (slot, nbytes) of operations given up
+        self.stranded_warned = False
         self._early: dict = {}  # Endpoint -> HELLO bytes
         self._waiting: dict = {}  # Endpoint -> Future
         self.w.set_am_handler(HELLO_AM_ID, self._on_hello)
@@ -234,8 +244,24 @@ class LoopWorker:
         if fut is not None and not fut.done():
             fut.cancel()
 
+    def strand(self, req, nbytes: int) -> None:
+        """A comm gave up on ``req`` (``nbytes``): count it as stranded
+        while UCX still holds it (see :func:`data_endpoints_allowed`)."""
+        from gpucx.request import INPROGRESS
+
+        if req._slot.status == INPROGRESS:
+            self.stranded.append((req._slot, nbytes))
+
+    def stranded_bytes(self) -> int:
+        """Bytes of given-up operations UCX has not let go of yet."""
+        from gpucx.request import INPROGRESS
+
+        self.stranded = [(s, n) for s, n in self.stranded if s.status == INPROGRESS]
+        return sum(n for _, n in self.stranded)
+
     def close(self) -> None:
         self._early.clear()
+        self.stranded.clear()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.cancel()
@@ -336,6 +362,82 @@ def device_allocator(name: str):
     if not mod:
         raise RuntimeError(f"distributed-gpucx.device-allocator: unknown {name!r}")
     return getattr(importlib.import_module(mod), attr)
+
+
+def data_endpoints_allowed(lw: LoopWorker, s: Settings) -> bool:
+    """Whether a new comm of ``lw`` may use a data endpoint.
+
+    An operation on a data endpoint (no peer error handling) that a peer's
+    death cut short is never released by UCX, which refuses to force-close
+    such an endpoint: only the worker's destruction frees its buffer.
+    Comms do not post operations to a peer they know is dead, but a death
+    in mid-copy still strands one.  Once ``max-stranded-bytes`` are held so,
+    new comms use their connection's endpoint only (UCX cleans those up);
+    the memory comes back when the loop's last comm closes the worker.
+    """
+    if not s.data_endpoints:
+        return False
+    if not s.max_stranded or lw.stranded_bytes() < s.max_stranded:
+        return True
+    if not lw.stranded_warned:
+        lw.stranded_warned = True
+        logger.warning(
+            "gpucx: %d bytes of operations cut short by dead peers are held "
+            "on data endpoints (distributed-gpucx.max-stranded-bytes=%d): new "
+            "comms to peers on this host use their connection's endpoint "
+            "(no cma) until this event loop's comms are all closed",
+            lw.stranded_bytes(),
+            s.max_stranded,
+        )
+    return False
+
+
+class PeerProcess:
+    """A peer process on this host: is it alive, at the cost of a
+    ``poll`` of its pidfd (Linux 5.3 and up; ``fd`` is -1 without one, and
+    after ``close``), else of a read of ``/proc/<pid>/stat``."""
+
+    __slots__ = ("pid", "start", "fd", "_poll", "_dead")
+
+    def __init__(self, pid: int, start: int):
+        from gpucx._liveness import proc_alive
+
+        self.pid = pid
+        self.start = start
+        self.fd = -1
+        self._poll = None
+        self._dead = False
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # no pidfd here, or gone already
+            self._dead = not proc_alive(pid, start)
+            return
+        # The pidfd names whichever process had the pid when it was opened:
+        # ours if the pid still has our peer's start time now.
+        if not proc_alive(pid, start):
+            os.close(fd)
+            self._dead = True
+            return
+        self.fd = fd
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def alive(self) -> bool:
+        if self._dead:
+            return False
+        if self._poll is not None:
+            self._dead = bool(self._poll.poll(0))
+        else:
+            from gpucx._liveness import proc_alive
+
+            self._dead = not proc_alive(self.pid, self.start)
+        return not self._dead
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            self._poll = None
+            os.close(self.fd)
+            self.fd = -1
 
 
 def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):

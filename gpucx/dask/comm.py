@@ -105,7 +105,9 @@ class GpucxComm(Comm):
         # Messages go over the data endpoint of a peer on this host, else
         # over the connection's own endpoint (watched for failure).
         self._dep = data_ep if data_ep is not None else ep
-        self._peer_proc = peer_proc  # (pid, start time) of a peer on this host
+        # The peer process when it runs on this host (data endpoint): its
+        # exit fails the comm at once where a pidfd is available.
+        self._peer = rt.PeerProcess(*peer_proc) if peer_proc is not None else None
         self._w = lw.w
         self._rtag = rtag
         self._stag = stag
@@ -124,6 +126,8 @@ class GpucxComm(Comm):
         self._close_sent = False
         self._peer_closed = False
         self._watch = asyncio.ensure_future(self._watch_peer())
+        if self._peer is not None and self._peer.fd >= 0:
+            lw.loop.add_reader(self._peer.fd, self._on_peer_exit)
 
     # -- failure detection ----------------------------------------------------
 
@@ -137,8 +141,8 @@ class GpucxComm(Comm):
             return
         if err is None or self._closed or self._broken is not None:
             return
-        dep = self._dep
-        if dep is not ep and self._peer_alive():
+        dep, peer = self._dep, self._peer
+        if dep is not ep and peer is not None and peer.alive():
             # The connection broke while the process lives: it closed its
             # end, or it is dying (the kernel resets a dying process's
             # sockets before it leaves the process table).  The comm fails
@@ -146,9 +150,7 @@ class GpucxComm(Comm):
             # apart (it holds the worker meanwhile).
             self._dep_handed = True
             self._lw.refs += 1
-            asyncio.ensure_future(
-                _settle_data_endpoint(self._lw, dep, self._peer_proc, str(err))
-            )
+            asyncio.ensure_future(_settle_data_endpoint(self._lw, dep, peer, str(err)))
         self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
@@ -173,10 +175,31 @@ class GpucxComm(Comm):
             _liveness.peer_died(self._w, dep.endpoint, reason)
         self._lw.aw._drv.kick()
 
-    def _peer_alive(self) -> bool:
-        from gpucx._liveness import proc_alive
+    def _on_peer_exit(self) -> None:
+        """The peer process's pidfd became readable: it exited."""
+        peer = self._peer
+        if peer is None or peer.fd < 0:
+            return
+        self._lw.loop.remove_reader(peer.fd)
+        self._peer_failed(f"peer process {peer.pid} exited")
 
-        return self._peer_proc is not None and proc_alive(*self._peer_proc)
+    def _check_peer(self) -> None:
+        """Before posting frames on the data endpoint: raise
+        ``CommClosedError`` if the peer process is gone.  A frame still in
+        a dead peer's memory cannot be fetched, and a rendezvous send to it
+        would stay with UCX for good (no peer error handling there: UCX
+        cancels no send and force-closes no such endpoint)."""
+        peer = self._peer
+        if peer is not None and not peer.alive():
+            self._peer_failed(f"peer process {peer.pid} died")
+            raise CommClosedError(f"{self}: {self._broken or 'peer died'}")
+
+    def _give_up(self, reqs) -> None:
+        """Hand the ``(request, nbytes)`` pairs UCX still holds to the loop's
+        worker, which counts them against ``max-stranded-bytes``."""
+        lw = self._lw
+        for req, nbytes in reqs:
+            lw.strand(req, nbytes)
 
     async def _await_frame(self, req) -> None:
         """Await a frame receive, racing the peer's failure: a receive that
@@ -199,10 +222,14 @@ class GpucxComm(Comm):
         # After a peer failure, what arrived before it is still delivered.
         if self._broken is not None and not req.done():
             req.cancel()
+            self._give_up([(req, len(buf))])
             raise CommClosedError(f"{self}: {self._broken}")
         self._recvs.add(req)
         try:
             return await req
+        except BaseException:
+            self._give_up([(req, len(buf))])
+            raise
         finally:
             self._recvs.discard(req)
 
@@ -232,6 +259,7 @@ class GpucxComm(Comm):
                 )
             frames: list = []
             reqs = []
+            sizes_posted = []
             off = ctl.inline_at
             ctrl = self._ctrl
             alloc = None
@@ -255,7 +283,10 @@ class GpucxComm(Comm):
                     if size >= cache.min_bytes:
                         trim = True
                 if size and kind != fr.INLINE:
+                    if not reqs and self._dep is not self._ep:
+                        self._check_peer()
                     reqs.append(w.recv_nb(buf, self._rtag))
+                    sizes_posted.append(size)
                 frames.append(buf)
             if trim:
                 cache.schedule_trim(self._lw.loop)
@@ -267,6 +298,9 @@ class GpucxComm(Comm):
                 try:
                     for r in reqs:
                         await self._await_frame(r)
+                except BaseException:
+                    self._give_up(zip(reqs, sizes_posted, strict=True))
+                    raise
                 finally:
                     self._recvs.difference_update(reqs)
         except BaseException as exc:
@@ -334,22 +368,29 @@ class GpucxComm(Comm):
                     room -= size
         ep = self._dep
         tag = self._stag
+        if ep is not self._ep and len(inline) < n:
+            self._check_peer()  # a rendezvous send to a dead peer would stay
         reqs = []
         if separate_table:
-            reqs.append(ep.send_nb(fr.pack_header(fr.F_TABLE, n, total), tag))
-            reqs.append(ep.send_nb(fr.pack_table(sizes, kinds), tag))
+            table = fr.pack_table(sizes, kinds)
+            reqs.append((ep.send_nb(fr.pack_header(fr.F_TABLE, n, total), tag), 0))
+            reqs.append((ep.send_nb(table, tag), len(table)))
         else:
             ctrl = fr.pack_header(0, n, total) + fr.pack_table(sizes, kinds)
             if inline:
                 # One contiguous message: a copy of a few KiB costs less than
                 # UCX's IOV path.
                 ctrl = b"".join([ctrl, *inline])
-            reqs.append(ep.send_nb(ctrl, tag))
+            reqs.append((ep.send_nb(ctrl, tag), len(ctrl)))
         for f, size, kind in zip(frames, sizes, kinds, strict=True):
             if size and kind != fr.INLINE:
-                reqs.append(ep.send_nb(f, tag))
-        for r in reqs:
-            await r
+                reqs.append((ep.send_nb(f, tag), size))
+        try:
+            for r, _ in reqs:
+                await r
+        except BaseException:
+            self._give_up(reqs)
+            raise
         return total
 
     async def close(self) -> None:
@@ -415,6 +456,13 @@ class GpucxComm(Comm):
             self._watch.cancel()
         for req in list(self._recvs):
             req.cancel()
+        peer = self._peer
+        if peer is not None and peer.fd >= 0:
+            try:
+                self._lw.loop.remove_reader(peer.fd)
+            except Exception:  # the loop is closed already
+                pass
+            peer.close()
         ep = self._ep
         if ep is not None:
             if self._drain():
@@ -463,7 +511,9 @@ class GpucxComm(Comm):
         return {}
 
 
-async def _settle_data_endpoint(lw: rt.LoopWorker, dep, peer_proc, reason: str):
+async def _settle_data_endpoint(
+    lw: rt.LoopWorker, dep, peer: rt.PeerProcess, reason: str
+):
     """Fail (peer died) or flush-close (peer lives on) the data endpoint of
     a comm whose connection broke while the peer process still ran; then
     drop the worker reference the comm took for this task."""
@@ -472,7 +522,7 @@ async def _settle_data_endpoint(lw: rt.LoopWorker, dep, peer_proc, reason: str):
     try:
         alive = True
         for _ in range(_DEATH_GRACE_STEPS):
-            if not _liveness.proc_alive(*peer_proc):
+            if not peer.alive():
                 alive = False
                 break
             await asyncio.sleep(0.005)
@@ -546,7 +596,7 @@ class GpucxConnector(Connector):
                 boot,
                 ns,
                 s.ctrl_cap,
-            ) + (lw.w.address if s.data_endpoints else b"")
+            ) + (lw.w.address if rt.data_endpoints_allowed(lw, s) else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
             welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
             task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag | rt.CH_WELCOME))
@@ -674,7 +724,7 @@ class GpucxListener(BaseListener):
                 raise fr.FramingError("malformed gpucx:// HELLO")
             me = rt.identity()
             dep = None
-            if s.data_endpoints:
+            if rt.data_endpoints_allowed(lw, s):
                 dep = rt.data_endpoint(lw, hello[n:], pid, start, boot, ns)
             welcome = rt.WELCOME.pack(
                 rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
