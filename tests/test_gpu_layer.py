@@ -330,9 +330,12 @@ def test_recv_array_into_cuda_here_is_refused_and_stays_queued(no_driver, pair):
 
 
 def test_recv_array_device_needs_a_driver(no_driver, pair):
-    _send_cuda_labelled(pair)
+    payload = _send_cuda_labelled(pair)
     with pytest.raises(gpucx.UnsupportedError, match="device"):
         pair.ba.recv_array(timeout=5, allocator=lambda n, mt: bytearray(n), device=0)
+    # The refused message stays queued; taking it completes the rendezvous
+    # send (the context's close would otherwise wait for it).
+    assert bytes(_recv_while_sending(pair, lambda n, mt: bytearray(n))) == payload
 
 
 # -- with a fake driver: what happens before the post ------------------------------
