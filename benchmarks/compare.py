@@ -1,10 +1,12 @@
 """Reproducible comparison: gpucx bench vs ucx_perftest (vs ucxx if installed).
 
 Runs every (test, size) point ``--rounds`` times; each round measures gpucx
-(its own peer process, C timing loops) and then ``ucx_perftest`` (the
-wheel's, same iterations, warm-up, transports and peer error handling)
-right after, so that both see the same state of a noisy host.  Prints the
-median of each figure and of the per-round ratios, as a Markdown table.
+(its own peer process, C timing loops) and ``ucx_perftest`` (the wheel's,
+same iterations, warm-up, transports and peer error handling) right after
+each other, so that both see the same state of a noisy host: gpucx first in
+odd rounds, perftest first in even ones, so that neither always runs second.
+Prints the median of each figure and of the per-round ratios, as a Markdown
+table.
 
     python benchmarks/compare.py                    # tag_lat, tag_bw
     python benchmarks/compare.py -t tag_bw -s 1M,16M --rounds 5 --tls sm,self
@@ -92,6 +94,9 @@ def main(argv=None) -> int:
                     memory=memory,
                     error_handling=eh,
                     vs_perftest=True,
+                    # Odd rounds run perftest first at each point, so that
+                    # neither side always runs right after the other.
+                    perftest_first=rnd % 2 == 1,
                     progress=False,
                 )
             )

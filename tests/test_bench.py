@@ -443,6 +443,47 @@ def test_run_bench_other_areas(name, memory):
     assert doc["results"] and all(r["bandwidth_gbs"] > 0 for r in doc["results"])
 
 
+@pytest.mark.parametrize(
+    "perftest_first", [False, True], ids=["gpucx-first", "perftest-first"]
+)
+def test_vs_perftest_runs_in_the_order_asked(perftest_first, monkeypatch):
+    """Each point runs ucx_perftest right after gpucx, or right before it
+    with ``perftest_first`` (compare.py alternates by round); both orders
+    give both figures and the ratio."""
+    from gpucx.bench import runner
+
+    calls = []
+    real_point, real_perftest = runner.run_point, runner._perftest.run_perftest
+
+    def gpucx_point(sess, p):
+        calls.append(("gpucx", p.test))
+        return real_point(sess, p)
+
+    def perftest_point(test, *args, **kw):
+        calls.append(("perftest", test))
+        return real_perftest(test, *args, **kw)
+
+    monkeypatch.setattr(runner, "run_point", gpucx_point)
+    monkeypatch.setattr(runner._perftest, "run_perftest", perftest_point)
+    doc = run_bench(
+        BenchOptions(
+            tests=("tag_bw",),
+            sizes=(8,),
+            iters=40,
+            warmup=4,
+            vs_perftest=True,
+            perftest_first=perftest_first,
+            progress=False,
+        )
+    )
+    order = [who for who, _ in calls]
+    assert order == (["perftest", "gpucx"] if perftest_first else ["gpucx", "perftest"])
+    (r,) = doc["results"]
+    assert r["bandwidth_gbs"] > 0 and r["perftest"]["bandwidth_gbs"] > 0
+    assert r["perftest"]["test"] == TESTS["tag_bw"].perftest
+    assert r["ratio"] > 0
+
+
 def test_progress_bar_draws():
     s = io.StringIO()
     bar = ProgressBar(2, True, s)

@@ -57,6 +57,9 @@ class BenchOptions:
     client: str | None = None
     timeout: float = 120.0
     vs_perftest: bool = False
+    #: With vs_perftest: run ucx_perftest before gpucx at each point (a
+    #: harness alternating the order cancels what the order does).
+    perftest_first: bool = False
     plot: str | None = None
     progress: bool = True
 
@@ -227,6 +230,11 @@ def run_point(sess: Session, p: Params) -> dict:
     }
 
 
+def _point_dict(p: Params) -> dict:
+    """What :func:`_perftest_point` reads of a result, from the plan."""
+    return {"test": p.test, "size": p.size, "iters": p.iters, "warmup": p.warmup}
+
+
 def _perftest_point(opts: BenchOptions, r: dict) -> dict:
     cls = TESTS[r["test"]]
     if cls.perftest is None:
@@ -285,6 +293,9 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
     bar = ProgressBar(len(points), opts.progress, stream)
     try:
         for p in points:
+            pt = None
+            if opts.vs_perftest and opts.perftest_first:
+                pt = _perftest_point(opts, _point_dict(p))
             r = run_point(sess, p)
             if not transports:
                 try:
@@ -292,7 +303,7 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
                 except gpucx.UCXError:
                     transports = []
             if opts.vs_perftest:
-                r["perftest"] = _perftest_point(opts, r)
+                r["perftest"] = pt if pt is not None else _perftest_point(opts, r)
                 r["ratio"] = _ratio(r)
             results.append(r)
             bar.update(f"{p.test} {format_size(p.size)}")
