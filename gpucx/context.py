@@ -145,17 +145,19 @@ class Context(Handle):
     allocate = _region.allocate
 
     def _close_children(self) -> None:
-        # Every worker serves what its peers sent, then every worker's
-        # endpoints close, while all the workers live: a flush close needs
-        # its peer to progress, and the peer may be a sibling worker.
-        # Closed worker by worker, the second worker's endpoints would wait
-        # out the deadline for a peer already destroyed with operations it
-        # had not served (an emulated put's completion).
+        # Every worker serves what its peers sent (and gives back what
+        # nobody received), then every worker's endpoints close, while all
+        # the workers live: a flush close needs its peer to progress, and
+        # the peer may be a sibling worker.  Closed worker by worker, the
+        # second worker's endpoints would wait out the deadline for a peer
+        # already destroyed with operations it had not served (an emulated
+        # put's completion, a rendezvous message nobody took).
         workers: list[Any] = [
             c for c in self._children if c._is_worker and c._h is not None
         ]
         for w in workers:
             w._serve()
+            w._give_back_unreceived()
         self._close_all(c for w in workers for c in w._children if c._is_endpoint)
         super()._close_children()
 

@@ -369,8 +369,17 @@ class Worker(Handle):
             if not lib.ucp_worker_progress(h):
                 break
 
+    def _give_back_unreceived(self) -> None:
+        """Give back what peers sent that nobody received (queued active
+        messages and arrays; posted AM receives are canceled): a closing
+        worker will not receive them, and a rendezvous sender completes only
+        once the receiver takes or releases its message, so the peer's
+        flush (a sibling worker's close too) would wait out its deadline."""
+        _am.give_back_unreceived(self)
+
     def _close_children(self) -> None:
         self._serve()
+        self._give_back_unreceived()
         super()._close_children()
 
     def _release(self) -> None:

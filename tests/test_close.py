@@ -229,6 +229,59 @@ def test_worker_close_serves_what_its_peers_sent(tls, order):
         assert np.array_equal(dst, src)
 
 
+def _sent_unreceived(pair: Pair, what: str):
+    """A rendezvous message from a that b queued and nobody received: an
+    array for ``recv_array``, or an active message kept for the next posted
+    receive of its id.  Returns a's pending send."""
+    data = np.arange(256 << 10, dtype=np.uint8)
+    if what == "array":
+        send = pair.ab.send_array_nb(data, proto="rndv")
+        queued = lambda: pair.b._am.arrays  # noqa: E731
+    else:  # a posted receive takes the first message, the second is kept
+        first = pair.b.am_recv_nb(7, np.empty_like(data))
+        pair.drive(pair.ab.am_send_nb(7, data, proto="rndv"), first)
+        send = pair.ab.am_send_nb(7, data, proto="rndv")
+        queued = lambda: pair.b.stats()["am_kept"].count  # noqa: E731
+    end = time.monotonic() + 10
+    while not queued():
+        pair.a.progress()
+        pair.b.progress()
+        assert time.monotonic() < end
+    assert not send.done()  # the sender waits for b to take it
+    return send
+
+
+@pytest.mark.parametrize("what", ["array", "kept-am"])
+def test_context_close_gives_back_what_its_workers_did_not_receive(tls, what):
+    """A rendezvous message one worker of a context sent another and nobody
+    received: the close releases it at the receiver, so the sender's
+    request completes and its flush close stays far inside its deadline
+    (it used to wait all of ``CLOSE_TIMEOUT_S``)."""
+    ctx = gpucx.Context(config=TRANSPORTS[tls])
+    pair = Pair(ctx)
+    send = _sent_unreceived(pair, what)
+    t0 = time.monotonic()
+    ctx.close()
+    assert time.monotonic() - t0 < _handle.CLOSE_TIMEOUT_S / 2
+    assert send.done() and send.exception() is None
+
+
+def test_worker_close_gives_back_what_it_did_not_receive(tls):
+    """Closing the receiver releases the message, and the sender, still
+    open, sees its send complete."""
+    with gpucx.Context(config=TRANSPORTS[tls]) as ctx:
+        pair = Pair(ctx)
+        send = _sent_unreceived(pair, "array")
+        t0 = time.monotonic()
+        pair.b.close()
+        end = time.monotonic() + 5
+        while not send.done() and time.monotonic() < end:
+            pair.a.progress()
+        assert send.done() and send.exception() is None
+        pair.a.close()
+        assert time.monotonic() - t0 < _handle.CLOSE_TIMEOUT_S / 2
+
+
 @pytest.mark.parametrize("tls", ["tcp", "shm"])
 def test_peer_worker_close_is_reported_on_the_next_operation(tls):
     """The peer closed its worker: the next operation that needs the peer

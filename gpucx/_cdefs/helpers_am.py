@@ -61,6 +61,7 @@ unsigned gpucx_due(const gpucx_worker_state_t *w);
 void gpucx_progress_watch(gpucx_worker_state_t *w, gpucx_am_state_t *am,
                           const gpucx_qstat_t *notify);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
+void gpucx_am_release_queued(gpucx_am_state_t *st);
 void gpucx_am_drain(gpucx_am_state_t *st);
 size_t gpucx_am_max_header(ucp_worker_h worker);
 ucs_status_t gpucx_am_send(ucp_ep_h ep, unsigned id, const void *header,

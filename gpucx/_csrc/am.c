@@ -1098,14 +1098,21 @@ static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m)
     m->header_length = 0;
 }
 
-/* Drop everything still queued (worker close, before ucp_worker_destroy). */
-static void gpucx_am_drain(gpucx_am_state_t *st)
+/* Release every message queued for a handler; the queue stays usable (a
+ * progress thread may be adding to it meanwhile). */
+static void gpucx_am_release_queued(gpucx_am_state_t *st)
 {
     gpucx_am_msg_t m;
 
     while (gpucx_am_pop(st, &m)) {
         gpucx_am_release(st->worker, &m);
     }
+}
+
+/* Drop everything still queued (worker close, before ucp_worker_destroy). */
+static void gpucx_am_drain(gpucx_am_state_t *st)
+{
+    gpucx_am_release_queued(st);
     free(st->q);
     st->q   = NULL;
     st->cap = 0;

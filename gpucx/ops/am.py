@@ -162,6 +162,24 @@ def attach(worker) -> None:
     lib.gpucx_progress_watch(worker._state, am.state, ffi.NULL)
 
 
+def give_back_unreceived(worker) -> None:
+    """Release the messages nobody received yet (a closing worker, before
+    its endpoints close): the kept and queued ones in C, with the receives
+    still posted (canceled), and the array queues.  A rendezvous sender
+    completes once its message is released.  What arrives later is released
+    by :func:`detach`."""
+    am = worker._am
+    for reg in am.regs.values():
+        lib.gpucx_am_unpost_all(reg)
+    lib.gpucx_am_release_queued(am.state)
+    for q in am.arrays.values():
+        for msg in q:
+            msg._drop()
+    am.arrays.clear()
+    s = am.array_stats
+    s.count = s.bytes = 0
+
+
 def detach(worker) -> None:
     """Release every queued message (before ``ucp_worker_destroy``)."""
     am = worker._am
