@@ -367,13 +367,14 @@ def device_allocator(name: str):
 def data_endpoints_allowed(lw: LoopWorker, s: Settings) -> bool:
     """Whether a new comm of ``lw`` may use a data endpoint.
 
-    An operation on a data endpoint (no peer error handling) that a peer's
-    death cut short is never released by UCX, which refuses to force-close
-    such an endpoint: only the worker's destruction frees its buffer.
-    Comms do not post operations to a peer they know is dead, but a death
-    in mid-copy still strands one.  Once ``max-stranded-bytes`` are held so,
-    new comms use their connection's endpoint only (UCX cleans those up);
-    the memory comes back when the loop's last comm closes the worker.
+    A rendezvous send on a data endpoint (no peer error handling) that the
+    peer had not fetched when it died is never released by UCX, which
+    cancels no send and refuses to force-close such an endpoint: only the
+    worker's destruction frees its buffer.  Comms post nothing to a peer
+    they know is dead, but a death while a frame is on its way still
+    strands its send.  Once ``max-stranded-bytes`` are held so, new comms
+    use their connection's endpoint only (UCX cleans those up); the memory
+    comes back when the loop's last comm closes the worker.
     """
     if not s.data_endpoints:
         return False
