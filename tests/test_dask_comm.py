@@ -460,10 +460,11 @@ async def _dead_peer_with_a_message_on_its_way(comm, proc) -> None:
 @gen_test(timeout=60)
 async def test_a_dead_peers_unread_frame_is_not_received(tls, pidfd, monkeypatch):
     """A message whose frame was still in the dead peer's memory fails the
-    read, and leaves nothing behind: a receive matched to it over the data
-    endpoint (no peer error handling) would never end in UCX and would hold
-    its 64 MiB buffer until the worker closes.  Also where the peer's
-    liveness comes from ``/proc`` (no pidfd)."""
+    read, and leaves nothing behind: the comm sees the peer is gone before
+    it posts the frame's receive (over the data endpoint, without peer
+    error handling, UCX would leave a receive matched to the dead peer's
+    message pending until canceled).  Also where the peer's liveness comes
+    from ``/proc`` (no pidfd)."""
     if not pidfd:
 
         def no_pidfd(pid):
