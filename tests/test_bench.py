@@ -546,9 +546,38 @@ def test_parse_perftest_csv():
         _perftest.parse_csv("connect() failed\n")
 
 
-def test_run_perftest_failure_is_reported():
-    with pytest.raises(_perftest.PerftestError, match="failed"):
+def test_run_perftest_failure_is_reported(monkeypatch):
+    """A bad test name fails at once (no retry on another port) and the
+    message quotes perftest's error, not the end of its usage text."""
+    ports = []
+    free_port = _perftest._free_port
+
+    def counted():
+        ports.append(free_port())
+        return ports[-1]
+
+    monkeypatch.setattr(_perftest, "_free_port", counted)
+    with pytest.raises(_perftest.PerftestError, match="failed: Invalid option"):
         _perftest.run_perftest("no_such_test", 8, 10, 1, timeout=30)
+    assert len(ports) == 1
+
+
+def test_perftest_setup_race_is_told_from_other_failures():
+    refused = (
+        "[1795709319.357504] [vm:13028:0]        perftest.c:438  UCX  ERROR "
+        "client failed. connect() failed: Connection refused\n"
+        "[1795709319.357549] [vm:13028:0]        perftest.c:902  UCX  ERROR "
+        "failed to setup RTE transport: Input/output error\n"
+    )
+    assert _perftest._SETUP_RACE.search(refused)
+    assert _perftest._error_line(refused) == (
+        "client failed. connect() failed: Connection refused"
+    )
+    usage = "[1] [vm:1:0] perftest_params.c:622  UCX  ERROR Invalid option\n  Usage:"
+    assert not _perftest._SETUP_RACE.search(usage)
+    assert _perftest._error_line(usage) == "Invalid option"
+    assert _perftest._error_line("just text\nlast line\n") == "last line"
+    assert _perftest._error_line("") == ""
 
 
 UCX_INFO = """\

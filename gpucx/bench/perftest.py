@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import time
@@ -93,6 +94,24 @@ def parse_csv(text: str) -> dict:
     }
 
 
+#: Server/client setups tried: the client may dial before the server
+#: listens, or another process may take the port meanwhile.
+_ATTEMPTS = 5
+#: What ucx_perftest prints when the client could not reach the server.
+_SETUP_RACE = re.compile(r"connect\(\) failed|RTE transport")
+
+
+def _error_line(text: str) -> str:
+    """The first error ucx_perftest printed (without UCX's log prefix),
+    else its last line; "" for no output."""
+    lines = text.strip().splitlines()
+    for line in lines:
+        _, sep, msg = line.partition(" ERROR ")
+        if sep:
+            return msg.strip()
+    return lines[-1].strip() if lines else ""
+
+
 def run_perftest(
     test: str,
     size: int,
@@ -131,7 +150,7 @@ def run_perftest(
     if error_handling:
         common.append("-e")
     last = ""
-    for _attempt in range(5):
+    for _attempt in range(_ATTEMPTS):
         port = _free_port()
         server = subprocess.Popen(
             [path, *common, "-p", str(port)],
@@ -160,8 +179,10 @@ def run_perftest(
                     # from the message rate, which keeps small sizes exact.
                     figures["bandwidth_gbs"] = figures["msg_rate"] * size / 1e9
                 return figures
-            lines = (client.stderr or client.stdout).strip().splitlines()
-            last = lines[-1] if lines else f"exit code {client.returncode}"
+            out = client.stderr or client.stdout
+            last = _error_line(out) or f"exit code {client.returncode}"
+            if not _SETUP_RACE.search(out):
+                break  # a bad option or test: another port will not help
         finally:
             try:
                 server.wait(5)
