@@ -6,7 +6,9 @@ endpoint wait forever.  When a framed worker address (:mod:`gpucx._address`)
 says the peer runs on this host, gpucx records its pid and start time and
 looks at ``/proc/<pid>/stat`` now and then — never on the hot path, only
 between wait slices, from the asyncio driver's timer and every few hundred
-``Worker.progress()`` calls — at most once per interval.  A peer is dead when
+``Worker.progress()`` calls — at most once per interval.  The asyncio driver
+also puts each such peer's pidfd (Linux 5.3 and up) on its loop, and looks
+at once when one becomes readable: the peer exited.  A peer is dead when
 its stat file is gone, its state is zombie or dead (a SIGKILLed child not yet
 reaped is a zombie), or the pid now belongs to a process started later.
 
@@ -16,6 +18,7 @@ in UCX, so UCX fails every operation outstanding on it.
 
 from __future__ import annotations
 
+import os
 import time
 
 from ._address import proc_stat
@@ -48,6 +51,23 @@ def watch(worker, ep, pid: int, start_time: int) -> None:
     """Check ``ep``'s peer process (``pid``, ``start_time``) from now on."""
     if worker._peer_interval > 0:
         worker._watched[ep] = (pid, start_time)
+        worker._watch_gen += 1  # the asyncio driver puts its pidfd on the loop
+
+
+def open_pidfd(pid: int, start_time: int) -> int:
+    """A pidfd of process ``pid`` started at ``start_time`` (readable once
+    it exits), or -1: no pidfds here (Linux before 5.3, a sandbox), or the
+    process is gone.  The caller closes it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+    # The pidfd names whichever process had the pid when it was opened: ours
+    # if the pid still has our peer's start time now.
+    if proc_alive(pid, start_time):
+        return fd
+    os.close(fd)
+    return -1
 
 
 def check(worker, now: float | None = None) -> None:

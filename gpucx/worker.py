@@ -78,6 +78,7 @@ class Worker(Handle):
         # Liveness of peers on this host (gpucx._liveness): endpoint ->
         # (pid, start time), checked at most every _peer_interval seconds.
         self._watched: dict = {}
+        self._watch_gen = 0  # bumped by each watch (see aio's pidfds)
         self._peer_interval = context._peer_interval
         self._spin_ns = context._spin_ns
         self._peer_check_at = 0.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import time
 
@@ -11,6 +12,7 @@ import pytest
 
 import gpucx
 import gpucx.aio
+from gpucx import _address, _liveness
 
 from conftest import channel_pair, join_ok, spawn
 from peers_aio import aio_die_after_connect, aio_echo_server, aio_peer_to_kill
@@ -267,6 +269,41 @@ def test_wait_closed_reports_a_killed_peer(tls, via):
                 assert took < 5, took
                 again = await asyncio.wait_for(ep.wait_closed(), 1)
                 assert isinstance(again, gpucx.PeerError)
+                ep.close()
+
+    run(main())
+    child.join(30)
+    assert child.exitcode is not None and child.exitcode < 0
+
+
+def test_a_killed_local_peer_is_seen_through_its_pidfd():
+    """With gpucx's liveness check of local peers once every 30 s, a killed
+    peer over shared memory (where UCX reports nothing) still fails its
+    endpoint at once: the driver watches the peer's pidfd on the loop."""
+    if _liveness.open_pidfd(os.getpid(), _address.proc_start_time()) < 0:
+        pytest.skip("no pidfds on this kernel")  # the 30 s check still runs
+    from conftest import transport_config
+
+    ch, theirs = channel_pair()
+    child = spawn(aio_peer_to_kill, "shm", "address", theirs)
+
+    async def main():
+        cfg = {**transport_config("shm"), "GPUCX_PEER_CHECK_INTERVAL": 30}
+        with gpucx.Context(config=cfg) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                ep = w.connect(ch.get(60))
+                await ep.asend(b"hello", tag=7)
+                closed = asyncio.ensure_future(ep.wait_closed())
+                pending = asyncio.ensure_future(w.arecv(bytearray(8), tag=9))
+                await asyncio.sleep(0.2)
+                assert not closed.done() and not pending.done()
+                assert len(w._drv._pidfds) == 1
+                ch.put("die")
+                err = await asyncio.wait_for(closed, 10)
+                assert isinstance(err, gpucx.PeerError), err
+                assert "died" in str(err)
+                assert w._drv._pidfds == {}  # taken off the loop and closed
+                pending.cancel()
                 ep.close()
 
     run(main())
