@@ -4,9 +4,11 @@ UCX reports a dead peer over TCP at once, but over shared memory (UCX 1.22,
 sysv/posix with MM_ERROR_HANDLING) it never does: operations on such an
 endpoint wait forever.  When a framed worker address (:mod:`gpucx._address`)
 says the peer runs on this host, gpucx records its pid and start time and
-looks at ``/proc/<pid>/stat`` now and then — never on the hot path, only
-between wait slices, from the asyncio driver's timer and every few hundred
-``Worker.progress()`` calls — at most once per interval.  The asyncio driver
+looks at it now and then — never on the hot path, only between wait
+slices, from the asyncio driver's timer and every few hundred
+``Worker.progress()`` calls — at most once per interval: a ``select`` of the
+peer's pidfd (Linux 5.3 and up, about a microsecond), else a read of
+``/proc/<pid>/stat`` (tens of microseconds).  The asyncio driver
 also puts each such peer's pidfd (Linux 5.3 and up) on its loop, and looks
 at once when one becomes readable: the peer exited.  A peer is dead when
 its stat file is gone, its state is zombie or dead (a SIGKILLed child not yet
@@ -19,6 +21,7 @@ in UCX, so UCX fails every operation outstanding on it.
 from __future__ import annotations
 
 import os
+import select
 import time
 
 from ._address import proc_stat
@@ -44,7 +47,44 @@ def proc_alive(pid: int, start_time: int) -> bool:
 def peer_alive(ep) -> bool:
     """False when ``ep``'s peer is a process of this host that died."""
     peer = ep._w._watched.get(ep)
-    return peer is None or proc_alive(*peer)
+    return peer is None or _alive(ep._w, ep, peer)
+
+
+def _alive(worker, ep, peer) -> bool:
+    """Whether watched ``ep``'s peer process lives.  A ``select`` of its
+    pidfd (opened on first use, kept until :func:`unwatch`) says "alive"
+    for about a microsecond; any other answer, and a peer without a pidfd,
+    is settled by a read of ``/proc/<pid>/stat`` (on a ``"multi"`` worker
+    another thread may have just closed the fd)."""
+    fds = worker._pidfds
+    fd = fds.get(ep)
+    if fd is None:
+        new = open_pidfd(*peer)
+        fd = fds.setdefault(ep, new)  # another thread may have been first
+        if fd != new and new >= 0:
+            os.close(new)
+    if fd >= 0:
+        try:
+            if not select.select((fd,), (), (), 0)[0]:
+                return True
+        except (OSError, ValueError):
+            pass
+    return proc_alive(*peer)
+
+
+def unwatch(worker, ep) -> None:
+    """Stop checking ``ep``'s peer (closed, or found dead)."""
+    worker._watched.pop(ep, None)
+    fd = worker._pidfds.pop(ep, -1)
+    if fd >= 0:
+        os.close(fd)
+
+
+def unwatch_all(worker) -> None:
+    """Stop checking every peer (the worker closes)."""
+    for ep in list(worker._pidfds):
+        unwatch(worker, ep)
+    worker._watched.clear()
 
 
 def watch(worker, ep, pid: int, start_time: int) -> None:
@@ -80,7 +120,7 @@ def check(worker, now: float | None = None) -> None:
     watched = worker._watched
     for ep in list(watched):
         if ep._h is None or ep._state.error != lib.UCS_OK:
-            del watched[ep]
+            unwatch(worker, ep)
         else:
             check_peer(worker, ep)
     sweep_parked(worker)
@@ -90,9 +130,9 @@ def check_peer(worker, ep) -> bool:
     """Look at ``ep``'s peer now, whatever the interval: if it is a process
     of this host that died, fail ``ep`` (:func:`peer_died`) and return True."""
     peer = worker._watched.get(ep)
-    if peer is None or proc_alive(*peer):
+    if peer is None or _alive(worker, ep, peer):
         return False
-    del worker._watched[ep]
+    unwatch(worker, ep)
     peer_died(worker, ep, f"peer process {peer[0]} died")
     return True
 

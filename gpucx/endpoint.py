@@ -304,7 +304,7 @@ class Endpoint(Handle):
             return
         deadline = self._deadline
         alive = _liveness.peer_alive(self)
-        w._watched.pop(self, None)
+        _liveness.unwatch(w, self)
         force = (
             getattr(self, "_force", False)
             or self._state.error != lib.UCS_OK

@@ -79,6 +79,7 @@ class Worker(Handle):
         # (pid, start time), checked at most every _peer_interval seconds.
         self._watched: dict = {}
         self._watch_gen = 0  # bumped by each watch (see aio's pidfds)
+        self._pidfds: dict = {}  # endpoint -> pidfd of its peer (-1: none)
         self._peer_interval = context._peer_interval
         self._spin_ns = context._spin_ns
         self._peer_check_at = 0.0
@@ -390,6 +391,7 @@ class Worker(Handle):
         if self._aio is not None:
             self._aio.detach()
             self._aio = None
+        _live.unwatch_all(self)
         # Cancel what is still outstanding and give UCX a bounded time to
         # report back, so no callback writes into freed slots.
         for req in list(self._pending):

@@ -115,6 +115,50 @@ def test_local_peer_watched_and_unwatched_on_close(world):
     assert ep not in w._watched
 
 
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
+def test_local_peer_checked_through_its_pidfd_until_unwatched(pidfd, monkeypatch):
+    """A watched peer is checked with a select of its pidfd, opened at the
+    first check and closed when its endpoint closes or the peer is found
+    dead; /proc confirms a death (and is the whole check without pidfds)."""
+    if not pidfd:
+
+        def no_pidfd(pid):
+            raise OSError(38, "pidfd_open not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _address.proc_start_time(child.pid)
+        with gpucx.Context() as ctx:
+            w, peer = ctx.create_worker(), ctx.create_worker()
+            framed = _reframe(
+                peer.ucx_address,
+                pid=child.pid,
+                start=start,
+                boot=_address._boot,
+                pidns=_address._ns,
+            )
+            closed, ep = w.connect(framed), w.connect(framed)
+            for e in (closed, ep):
+                assert w._watched[e] == (child.pid, start)
+                assert _liveness.check_peer(w, e) is False  # alive
+                fd = w._pidfds[e]
+                assert (fd >= 0) == pidfd
+                if pidfd:
+                    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+            closed.close(force=True)
+            assert closed not in w._watched and closed not in w._pidfds
+            child.kill()
+            child.wait()
+            assert _liveness.check_peer(w, ep) is True  # dead: failed
+            assert ep not in w._watched and ep not in w._pidfds
+            assert isinstance(ep.error, gpucx.PeerError)
+            assert f"peer process {child.pid} died" in str(ep.error)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_proc_alive():
     assert _liveness.proc_alive(os.getpid(), _address.proc_start_time())
     assert not _liveness.proc_alive(os.getpid(), _address.proc_start_time() + 1)
