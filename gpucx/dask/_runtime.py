@@ -401,27 +401,17 @@ class PeerProcess:
     __slots__ = ("pid", "start", "fd", "_poll", "_dead")
 
     def __init__(self, pid: int, start: int):
-        from gpucx._liveness import proc_alive
+        from gpucx._liveness import open_pidfd
 
         self.pid = pid
         self.start = start
-        self.fd = -1
         self._poll = None
         self._dead = False
-        try:
-            fd = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # no pidfd here, or gone already
-            self._dead = not proc_alive(pid, start)
-            return
-        # The pidfd names whichever process had the pid when it was opened:
-        # ours if the pid still has our peer's start time now.
-        if not proc_alive(pid, start):
-            os.close(fd)
-            self._dead = True
-            return
-        self.fd = fd
-        self._poll = select.poll()
-        self._poll.register(fd, select.POLLIN)
+        # -1: no pidfds here, or the process is gone (alive() asks /proc).
+        self.fd = open_pidfd(pid, start)
+        if self.fd >= 0:
+            self._poll = select.poll()
+            self._poll.register(self.fd, select.POLLIN)
 
     def alive(self) -> bool:
         if self._dead:

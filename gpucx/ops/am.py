@@ -183,8 +183,7 @@ def give_back_unreceived(worker) -> None:
 def detach(worker) -> None:
     """Release every queued message (before ``ucp_worker_destroy``)."""
     am = worker._am
-    for reg in am.regs.values():
-        lib.gpucx_am_unpost_all(reg)
+    give_back_unreceived(worker)  # again: what arrived since the close began
     # Receives into pool buffers that ucp_worker_destroy cancels give their
     # buffer back instead of queueing (the pools live as long as ``am``).
     for pool, _keeps in [*am.pools.values(), *am.old_pools]:
@@ -196,7 +195,6 @@ def detach(worker) -> None:
         lib.gpucx_am_release(worker._h, rec)
     am.held.clear()
     am.free.clear()
-    am.arrays.clear()
     am.live[0] = None
     am.handlers.clear()
 
