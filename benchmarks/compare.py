@@ -12,6 +12,7 @@ table.
     python benchmarks/compare.py -t tag_bw -s 1M,16M --rounds 5 --tls sm,self
     python benchmarks/compare.py -t put_bw,get_bw,am_bw -s 8,1M,16M -m ucx \
         --both-error-modes --rounds 3
+    python benchmarks/compare.py -t am_bw -s 8 -m ucx --api prepared
 
 ``--both-error-modes`` measures each round with peer error handling (gpucx's
 default; perftest ``-e``) and then without; rows measured without are marked
@@ -62,6 +63,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tls", default=None)
     ap.add_argument(
+        "--api",
+        default="c",
+        choices=("c", "python", "prepared"),
+        help="the gpucx path measured (gpucx bench --api)",
+    )
+    ap.add_argument(
         "-m", "--memory", default="host", help="host, ucx, or CLIENT:SERVER"
     )
     ap.add_argument(
@@ -92,6 +99,7 @@ def main(argv=None) -> int:
                     iters=args.iters,
                     tls=args.tls,
                     memory=memory,
+                    api=args.api,
                     error_handling=eh,
                     vs_perftest=True,
                     # Odd rounds run perftest first at each point, so that
@@ -112,7 +120,7 @@ def main(argv=None) -> int:
         f"Python {platform.python_version()}"
     )
     print(f"transports: {', '.join(sorted({f'{t}/{d}' for t, d in transports}))}")
-    print(f"memory: {args.memory}")
+    print(f"memory: {args.memory}, api: {args.api}")
     print(
         f"rounds: {args.rounds}, wall time {time.time() - t0:.0f} s, "
         f"ucxx: {ucxx_status()}"

@@ -25,6 +25,7 @@ __all__ = [
     "handle",
     "rkey_handle",
     "park",
+    "am_recv_registration",
     "abandon",
     "pending_holding",
     "defer_to_closing",
@@ -55,6 +56,17 @@ def park(worker: Any, slot: Any, keep: Any) -> None:
     """Leave a completion slot that UCX still holds (and ``keep``, what it
     writes into) with the worker, which settles it when it closes."""
     worker._park(slot, keep)
+
+
+def am_recv_registration(worker: Any, am_id: int) -> Any:
+    """The ``gpucx_am_reg_t *`` that receives posted for ``am_id`` on
+    ``worker`` go through (``Worker.am_recv_nb``'s; made on first use), for
+    C loops that post receives themselves (``gpucx_bench_am_pingpong``).
+    Without a handler for the id, a message that finds no posted receive
+    is kept for the next one."""
+    from .ops.am import _recv_reg
+
+    return _recv_reg(worker._am, am_id)
 
 
 def abandon(obj: Any, reason: str) -> None:

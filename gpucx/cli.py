@@ -117,7 +117,8 @@ def _bench_parser(sub) -> None:
         default="c",
         help="the path measured: c (default: loops in C, the transport's "
         "speed), python (the Request API, one call per message), prepared "
-        "(put_bw/get_bw through prepared transfer lists, ep.prepare_put)",
+        "(put_bw/get_bw/am_bw through prepared lists: ep.prepare_put, "
+        "prepare_get, prepare_am)",
     )
     p.add_argument(
         "--async",

@@ -17,6 +17,7 @@ from peers_bench import c_loop_peer
 
 import gpucx
 from gpucx import info as _info
+from gpucx._internal import am_recv_registration
 from gpucx._lib import ffi, lib
 from gpucx.bench import perftest as _perftest
 from gpucx.bench.memory import BenchSetupError, alloc, parse_memory
@@ -357,6 +358,156 @@ def test_rkey_handle_only_takes_rkeys():
         _h = real
 
     assert rkey_handle(Key()) is real
+
+
+# -- the active-message C loops -------------------------------------------------------
+
+AM = 7
+
+
+def _am_stream(w, ep, buf, iters, window, timeout_ns=20 * SECOND):
+    out = ffi.new("uint64_t *")
+    slots = ffi.new("gpucx_slot_t[]", window + 1)
+    ack = ffi.new("uint64_t *")
+    st = lib.gpucx_bench_am_stream(
+        w._h,
+        ep._h,
+        AM,
+        ffi.from_buffer(buf),
+        buf.nbytes,
+        HOST,
+        ACK_TAG,
+        iters,
+        window,
+        timeout_ns,
+        slots,
+        ack,
+        out,
+    )
+    _park_pending(w, slots, window + 1, (buf, ack))
+    return st, out[0]
+
+
+def _am_pingpong(
+    w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND, reg=None
+):
+    out = ffi.new("uint64_t *")
+    rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+    slots = ffi.new("gpucx_slot_t[]", 2)
+    st = lib.gpucx_bench_am_pingpong(
+        w._h,
+        ep._h,
+        am_recv_registration(w, AM) if reg is None else reg,
+        AM,
+        initiator,
+        ffi.from_buffer(sbuf),
+        HOST,
+        ffi.from_buffer(rbuf),
+        rbuf.nbytes,
+        iters,
+        timeout_ns,
+        slots,
+        rtt_p,
+        out,
+    )
+    _park_pending(w, slots, 2, (sbuf, rbuf, rtt))
+    return st, out[0]
+
+
+def _am_receive_and_ack(w, ep, dst, n):
+    """The receiving side of the AM stream: n posted receives, then the ack."""
+    w.am_recv_many_nb(AM, [dst] * n).wait(30)
+    ep.send(np.zeros(1, np.uint64), tag=ACK_TAG)
+
+
+@pytest.mark.parametrize("size", [0, 8, 1 << 20])
+@pytest.mark.parametrize("window", [1, 16])
+def test_c_am_stream_moves_the_data(pair, tls, size, window):
+    src = np.random.default_rng(size).integers(0, 255, size, dtype=np.uint8)
+    dst = np.zeros(size, np.uint8)
+    t, _ = _in_thread(_am_receive_and_ack, pair.b, pair.ba, dst, 20)
+    st, ns = _am_stream(pair.a, pair.ab, src, 20, window)
+    t.join(30)
+    assert st == lib.UCS_OK and ns > 0
+    assert np.array_equal(src, dst)
+
+
+def test_c_am_stream_refuses_an_empty_window(pair):
+    st, _ = _am_stream(pair.a, pair.ab, np.ones(8, np.uint8), 4, 0)
+    assert st == lib.UCS_ERR_INVALID_PARAM
+
+
+def test_c_am_stream_times_out_without_an_acknowledgement(pair):
+    """Nobody acknowledges: TIMED_OUT; the messages wait, kept, for a
+    receive the peer posts later."""
+    st, ns = _am_stream(pair.a, pair.ab, np.full(8, 4, np.uint8), 3, 2, SECOND // 5)
+    assert st == lib.UCS_ERR_TIMED_OUT and ns >= SECOND // 5
+    dst = np.zeros(8, np.uint8)
+    pair.b.am_recv_many_nb(AM, [dst] * 3).wait(10)
+    assert (dst == 4).all()
+
+
+@pytest.mark.parametrize("size", [8, 1 << 20])
+def test_c_am_pingpong_records_round_trips(pair, tls, size):
+    a_s, a_r = np.full(size, 1, np.uint8), np.zeros(size, np.uint8)
+    b_s, b_r = np.full(size, 2, np.uint8), np.zeros(size, np.uint8)
+    am_recv_registration(pair.b, AM)  # before the first message can come
+    rtt = np.zeros(50, np.uint64)
+    t, box = _in_thread(_am_pingpong, pair.b, pair.ba, 0, b_s, b_r, 50)
+    st, ns = _am_pingpong(pair.a, pair.ab, 1, a_s, a_r, 50, rtt)
+    t.join(30)
+    assert st == lib.UCS_OK and box["r"][0] == lib.UCS_OK
+    assert (rtt > 0).all() and int(rtt.sum()) <= ns
+    assert (a_r == 2).all() and (b_r == 1).all()
+
+
+def test_c_am_pingpong_times_out_and_withdraws_its_receive(pair):
+    """No responder: TIMED_OUT, and the posted receive is withdrawn (a later
+    message goes to the next receive, not into the loop's buffer)."""
+    loop_buf = np.zeros(8, np.uint8)
+    st, _ = _am_pingpong(
+        pair.a, pair.ab, 1, np.ones(8, np.uint8), loop_buf, 3, None, SECOND // 5
+    )
+    assert st == lib.UCS_ERR_TIMED_OUT
+    pair.b.am_recv_nb(AM, np.zeros(8, np.uint8))  # b's copy of the message
+    pair.ba.am_send(AM, np.full(8, 6, np.uint8))
+    later = np.zeros(8, np.uint8)
+    pair.a.am_recv_nb(AM, later).wait(10)
+    assert (later == 6).all() and (loop_buf == 0).all()
+
+
+def test_c_am_pingpong_reports_truncation(pair):
+    """A responder's buffer smaller than the message fails its loop."""
+    am_recv_registration(pair.b, AM)
+    t, box = _in_thread(
+        _am_pingpong, pair.b, pair.ba, 0, np.ones(4, np.uint8), np.zeros(4, np.uint8), 2
+    )
+    st, _ = _am_pingpong(
+        pair.a,
+        pair.ab,
+        1,
+        np.ones(64, np.uint8),
+        np.zeros(64, np.uint8),
+        2,
+        None,
+        SECOND // 2,
+    )
+    t.join(30)
+    assert box["r"][0] == lib.UCS_ERR_MESSAGE_TRUNCATED
+    assert st == lib.UCS_ERR_TIMED_OUT  # no echo came
+
+
+def test_c_am_pingpong_needs_a_registration(pair):
+    st, _ = _am_pingpong(
+        pair.a,
+        pair.ab,
+        1,
+        np.ones(8, np.uint8),
+        np.zeros(8, np.uint8),
+        1,
+        reg=ffi.NULL,
+    )
+    assert st == lib.UCS_ERR_INVALID_PARAM
 
 
 # -- the C loops across two processes ------------------------------------------------

@@ -1,6 +1,6 @@
 """``gpucx bench --api``: which path a figure measures, in the table and the
-JSON; prepared transfer lists for put_bw/get_bw.  Figures are checked for
-presence, never for speed."""
+JSON; prepared transfer lists for put_bw/get_bw, AM batches for am_bw.
+Figures are checked for presence, never for speed."""
 
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ def _rows(stdout: str) -> tuple[list[str], list[list[str]]]:
         ("c", "tag_bw,put_bw"),
         ("python", "tag_lat,get_bw"),
         ("prepared", "put_bw,get_bw"),
+        ("prepared", "am_bw,put_bw"),
+        ("c", "am_lat,am_bw"),
+        ("python", "am_lat,am_bw"),
     ],
 )
 def test_api_in_table_and_json(api, tests, tmp_path):
@@ -74,7 +77,8 @@ def test_prepared_refuses_other_tests():
     p = bench("-t", "tag_lat,put_bw", "--api", "prepared")
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--api prepared measures put_bw and get_bw" in lines[0]
+    assert len(lines) == 1
+    assert "--api prepared measures put_bw, get_bw, am_bw only" in lines[0]
     assert "tag_lat" in lines[0]
 
 

@@ -74,6 +74,7 @@ ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
                                 uint64_t spin_ns);
 ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                            gpucx_slot_t *slot);
+void gpucx_am_group_lengths(const gpucx_slot_t *members, size_t n, size_t *out);
 ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,
                                  void **bufs, const size_t *lens,
                                  size_t nbufs, gpucx_slot_t *members,

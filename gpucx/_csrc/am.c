@@ -715,6 +715,19 @@ static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
     return UCS_INPROGRESS;
 }
 
+/* The payload sizes of a group's n member slots, into out[0..n): the
+ * result of am_recv_many_nb's request, built in one call instead of one
+ * cffi field read per message. */
+static void gpucx_am_group_lengths(const gpucx_slot_t *members, size_t n,
+                                   size_t *out)
+{
+    size_t i;
+
+    for (i = 0; i < n; i++) {
+        out[i] = members[i].length;
+    }
+}
+
 /* Post bufs[0..n) (sizes lens[], member slots members[]) for the next n
  * messages of reg's id, in order, behind g's one slot.  nbufs is n, or 1:
  * then bufs[0] (lens[0]) is posted n times, which spares the caller

@@ -105,7 +105,7 @@ def validate(opts: BenchOptions) -> None:
         other = [t for t in opts.tests if t not in PREPARED_TESTS]
         if other:
             raise BenchSetupError(
-                f"--api prepared measures {' and '.join(PREPARED_TESTS)} only, "
+                f"--api prepared measures {', '.join(PREPARED_TESTS)} only, "
                 f"not {', '.join(other)}"
             )
     if opts.iters is not None and not 1 <= opts.iters <= MAX_ITERS:

@@ -21,7 +21,7 @@ import time
 
 import numpy
 
-from .._internal import handle, park, rkey_handle
+from .._internal import am_recv_registration, handle, park, rkey_handle
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
 from ..request import INPROGRESS, raise_status, wait_for
@@ -51,12 +51,12 @@ MAX_TIMEOUT = 1e6
 #: The paths ``gpucx bench --api`` measures (see Params.api), and the tests
 #: that have a prepared-list path.
 APIS = ("c", "python", "prepared")
-PREPARED_TESTS = ("put_bw", "get_bw")
+PREPARED_TESTS = ("put_bw", "get_bw", "am_bw")
 API_PATHS = {
     "c": "C loop (gpucx/_csrc/bench.c): the transport's speed",
     "python": "Python API, one Request per message",
-    "prepared": "prepared transfer lists (ep.prepare_put/prepare_get), "
-    "one C call per list",
+    "prepared": "prepared transfer lists and AM batches "
+    "(ep.prepare_put/prepare_get/prepare_am), one C call per list",
 }
 
 #: Active-message id the AM tests use.
@@ -478,12 +478,55 @@ class AmLat(_AmBase):
     kind = "lat"
     perftest = "ucp_am_lat"
 
+    def _in_c(self) -> bool:
+        """Whether this side's loop runs in C (``--api c``): its receives
+        are posted ones (``am_recv_nb``'s registration), matched in gpucx's
+        UCX callback.  Device memory, and the Python API, take each message
+        through a handler and ``receive_into``."""
+        return not self.p.use_async and self.mem != "cuda"
+
     def prepare(self) -> dict:
         self.sbuf, self.rbuf = self.buffer(1), self.buffer()
-        self._inbox()
+        self._setup()
         return {}
 
+    def _setup(self) -> None:
+        if self._in_c():
+            # Made before the client may send: without a handler, a message
+            # that finds no posted receive is kept for the next one.
+            self.reg = am_recv_registration(self.s.worker, AM_ID)
+        else:
+            self._inbox()
+
+    def _c_loop(self, initiator: int, iters: int, rtt) -> None:
+        sp, n, smt, skeep = acquire(self.sbuf, False)
+        rp, _, _, rkeep = acquire(self.rbuf, True)
+        out = ffi.new("uint64_t *")
+        rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+        slots = c_slots(2)
+        st = lib.gpucx_bench_am_pingpong(
+            handle(self.s.worker),
+            handle(self.s.ep),
+            self.reg,
+            AM_ID,
+            initiator,
+            sp,
+            smt,
+            rp,
+            n,
+            iters,
+            self.timeout_ns,
+            slots,
+            rtt_p,
+            out,
+        )
+        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
+
     def serve(self) -> None:
+        if self._in_c():
+            self._c_loop(0, self.p.warmup, None)
+            self._c_loop(0, self.p.iters, None)
+            return
         ep = self.s.ep
         for _ in range(self.p.warmup + self.p.iters):
             self._take()
@@ -491,9 +534,13 @@ class AmLat(_AmBase):
 
     def run(self, extra: dict) -> dict:
         self.sbuf, self.rbuf = self.buffer(1), self.buffer()
-        self._inbox()
+        self._setup()
+        rtt = numpy.zeros(self.p.iters, numpy.uint64)
+        if self._in_c():
+            self._c_loop(1, self.p.warmup, None)
+            self._c_loop(1, self.p.iters, rtt)
+            return lat_figures(self.p.size, rtt / 2)
         ep = self.s.ep
-        rtt = numpy.zeros(self.p.iters, numpy.float64)
         try:
             for i in range(self.p.warmup + self.p.iters):
                 t0 = _perf_ns()
@@ -544,7 +591,63 @@ class AmBw(_AmBase):
         self.posted = []
         super().cleanup()
 
+    def _c_phase(self, n: int) -> int:
+        """``n`` messages from the C loop, acknowledged by the receiver."""
+        bp, nbytes, mt, keep = acquire(self.sbuf, False)
+        out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
+        ack = ffi.new("uint64_t *")
+        st = lib.gpucx_bench_am_stream(
+            handle(self.s.worker),
+            handle(self.s.ep),
+            AM_ID,
+            bp,
+            nbytes,
+            mt,
+            ACK_TAG,
+            n,
+            self.p.window,
+            self.timeout_ns,
+            slots,
+            ack,
+            out,
+        )
+        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
+        return out[0]
+
+    def _prepared_phase(self, n: int) -> int:
+        """``n`` messages as prepared batches of ``window`` messages
+        (``ep.prepare_am``): one C call sends a batch, two batches in
+        flight at a time."""
+        ep, t = self.s.ep, self.p.timeout
+        window = max(1, self.p.window)
+        full, rest = divmod(n, window)
+        batch = ep.prepare_am(AM_ID, [self.sbuf] * window) if full else None
+        tail = ep.prepare_am(AM_ID, [self.sbuf] * rest) if rest else None
+        try:
+            runs = [b for b in [batch] * full + [tail] if b is not None]
+            t0 = _perf_ns()
+            prev = None
+            for b in runs:
+                req = b.run_nb()
+                if prev is not None:
+                    prev.wait(t)
+                prev = req
+            if prev is not None:
+                prev.wait(t)
+            self.ack_recv()
+            return _perf_ns() - t0
+        finally:
+            for b in (batch, tail):
+                if b is not None:
+                    b.close()
+
     def _phase(self, n: int) -> int:
+        if self.p.api == "prepared":
+            return self._prepared_phase(n)
+        if not self.p.use_async:
+            return self._c_phase(n)
         ep, t, window = self.s.ep, self.p.timeout, max(1, self.p.window)
         t0 = _perf_ns()
         reqs: list = []

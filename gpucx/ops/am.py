@@ -1043,7 +1043,10 @@ _RECV_MANY = "am receive (posted together)"
 
 def _sizes(req) -> list:
     members = req._keep[1]
-    return [members[i].length for i in range(len(members))]
+    n = len(members)
+    out = ffi.new(_SIZES, n)
+    lib.gpucx_am_group_lengths(members, n, out)
+    return ffi.unpack(out, n)
 
 
 def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
