@@ -8,11 +8,14 @@ looks at it now and then — never on the hot path, only between wait
 slices, from the asyncio driver's timer and every few hundred
 ``Worker.progress()`` calls — at most once per interval: a ``select`` of the
 peer's pidfd (Linux 5.3 and up, about a microsecond), else a read of
-``/proc/<pid>/stat`` (tens of microseconds).  The asyncio driver
-also puts each such peer's pidfd (Linux 5.3 and up) on its loop, and looks
-at once when one becomes readable: the peer exited.  A peer is dead when
-its stat file is gone, its state is zombie or dead (a SIGKILLed child not yet
-reaped is a zombie), or the pid now belongs to a process started later.
+``/proc/<pid>/stat`` (tens of microseconds).  A peer's exit is also seen at
+once where pidfds exist: the worker keeps its watched peers' pidfds in an
+epoll set (``worker._pfd``) that blocking waits sleep on beside the UCX
+event fd (``gpucx_worker_sleep``), and the asyncio driver puts each pidfd
+on its loop; either looks at the peers as soon as one becomes readable.
+A peer is dead when its stat file is gone, its state is zombie or dead (a
+SIGKILLed child not yet reaped is a zombie), or the pid now belongs to a
+process started later.
 
 A dead peer's endpoint gets a :class:`~gpucx.PeerError` and is force-closed
 in UCX, so UCX fails every operation outstanding on it.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import os
 import select
 import time
+from contextlib import suppress
 
 from ._address import proc_stat
 from ._lib import lib
@@ -56,13 +60,9 @@ def _alive(worker, ep, peer) -> bool:
     for about a microsecond; any other answer, and a peer without a pidfd,
     is settled by a read of ``/proc/<pid>/stat`` (on a ``"multi"`` worker
     another thread may have just closed the fd)."""
-    fds = worker._pidfds
-    fd = fds.get(ep)
+    fd = worker._pidfds.get(ep)
     if fd is None:
-        new = open_pidfd(*peer)
-        fd = fds.setdefault(ep, new)  # another thread may have been first
-        if fd != new and new >= 0:
-            os.close(new)
+        fd = _keep_pidfd(worker, ep, peer)
     if fd >= 0:
         try:
             if not select.select((fd,), (), (), 0)[0]:
@@ -72,11 +72,35 @@ def _alive(worker, ep, peer) -> bool:
     return proc_alive(*peer)
 
 
+def _keep_pidfd(worker, ep, peer) -> int:
+    """Open ``ep``'s peer's pidfd, keep it until :func:`unwatch` and add it
+    to the worker's epoll set of them, which blocking waits sleep on
+    (created with the first one: ``worker._pfd``).  Returns the fd, or -1
+    (no pidfd; kept as such, so /proc answers from then on)."""
+    new = open_pidfd(*peer)
+    fd = worker._pidfds.setdefault(ep, new)  # another thread may have been first
+    if fd != new:
+        if new >= 0:
+            os.close(new)
+        return fd
+    if fd >= 0:
+        pset = worker._pset
+        if pset is None:
+            pset = worker._pset = select.epoll()
+            worker._pfd = pset.fileno()
+        with suppress(OSError, ValueError):  # unwatched meanwhile, or closing
+            pset.register(fd, select.EPOLLIN)
+    return fd
+
+
 def unwatch(worker, ep) -> None:
     """Stop checking ``ep``'s peer (closed, or found dead)."""
     worker._watched.pop(ep, None)
     fd = worker._pidfds.pop(ep, -1)
     if fd >= 0:
+        if worker._pset is not None:
+            with suppress(OSError, ValueError):
+                worker._pset.unregister(fd)
         os.close(fd)
 
 
@@ -85,13 +109,20 @@ def unwatch_all(worker) -> None:
     for ep in list(worker._pidfds):
         unwatch(worker, ep)
     worker._watched.clear()
+    pset, worker._pset = worker._pset, None
+    worker._pfd = -1
+    if pset is not None:
+        pset.close()
 
 
 def watch(worker, ep, pid: int, start_time: int) -> None:
-    """Check ``ep``'s peer process (``pid``, ``start_time``) from now on."""
+    """Check ``ep``'s peer process (``pid``, ``start_time``) from now on;
+    its pidfd goes into the set blocking waits sleep on."""
     if worker._peer_interval > 0:
         worker._watched[ep] = (pid, start_time)
         worker._watch_gen += 1  # the asyncio driver puts its pidfd on the loop
+        if ep not in worker._pidfds:
+            _keep_pidfd(worker, ep, (pid, start_time))
 
 
 def open_pidfd(pid: int, start_time: int) -> int:
@@ -110,11 +141,12 @@ def open_pidfd(pid: int, start_time: int) -> int:
     return -1
 
 
-def check(worker, now: float | None = None) -> None:
-    """Check the worker's local peers if the interval has passed."""
+def check(worker, now: float | None = None, force: bool = False) -> None:
+    """Check the worker's local peers if the interval has passed, or now
+    (``force``: a blocking wait's sleep was woken by a peer's pidfd)."""
     if now is None:
         now = time.monotonic()
-    if now < worker._peer_check_at:
+    if now < worker._peer_check_at and not force:
         return
     worker._peer_check_at = now + worker._peer_interval
     watched = worker._watched

@@ -372,15 +372,25 @@ static inline ucs_status_t gpucx__wait_posted(ucp_worker_h worker,
     return gpucx_wait(worker, slot, spin_ns);
 }
 
+/* What gpucx_wait_sleep returns (and, negated, gpucx_worker_sleep) when
+ * the peers' fd woke it: a local peer the worker watches exited.  Not a
+ * UCX status (those are UCS_OK, UCS_INPROGRESS and negative errors). */
+#define GPUCX_PEER_EXITED 2
+
 /* Sleep on the worker's event fd until something happens or timeout_ms pass
- * (-1 = forever), without holding the GIL (cffi releases it).  Returns the
- * number of progress events seen.  Safe to call with efd < 0: then it only
- * progresses. */
-static int gpucx_worker_sleep(ucp_worker_h worker, int efd, int timeout_ms)
+ * (-1 = forever), without holding the GIL (cffi releases it).  pfd, when
+ * not negative, is slept on too: the epoll set of the pidfds of the local
+ * peers the worker watches (gpucx/_liveness.py), readable once one of
+ * them exited.  Returns the number of progress events seen, or
+ * -GPUCX_PEER_EXITED when pfd woke it.  Safe to call with efd < 0: then it
+ * only progresses. */
+static int gpucx_worker_sleep(ucp_worker_h worker, int efd, int pfd,
+                              int timeout_ms)
 {
     unsigned      events = ucp_worker_progress(worker);
     ucs_status_t  st;
-    struct pollfd pfd;
+    struct pollfd pfds[2];
+    nfds_t        n = 1;
 
     if (events != 0 || efd < 0) {
         return (int)events;
@@ -392,23 +402,40 @@ static int gpucx_worker_sleep(ucp_worker_h worker, int efd, int timeout_ms)
     if (st != UCS_OK) {
         return -1;
     }
-    pfd.fd      = efd;
-    pfd.events  = POLLIN;
-    pfd.revents = 0;
-    poll(&pfd, 1, timeout_ms);
-    return (int)ucp_worker_progress(worker);
+    pfds[0].fd      = efd;
+    pfds[0].events  = POLLIN;
+    pfds[0].revents = 0;
+    if (pfd >= 0) {
+        pfds[1].fd      = pfd;
+        pfds[1].events  = POLLIN;
+        pfds[1].revents = 0;
+        n               = 2;
+    }
+    poll(pfds, n, timeout_ms);
+    events = ucp_worker_progress(worker);
+    if (n == 2 && (pfds[1].revents & POLLIN)) {
+        return -GPUCX_PEER_EXITED;
+    }
+    return (int)events;
 }
 
-/* Wait for a slot: spin for spin_ns, then sleep on the efd in slices of at
- * most slice_ms, for at most timeout_ms in all (-1 = one slice only; the
- * Python side loops so that signals and deadlines are checked). */
-static ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd,
+/* Wait for a slot: spin for spin_ns, then sleep on the efd (and pfd, see
+ * gpucx_worker_sleep) for at most timeout_ms (the Python side loops so
+ * that signals and deadlines are checked).  Returns the slot's status, or
+ * GPUCX_PEER_EXITED when the slot is still in progress and pfd woke the
+ * sleep. */
+static ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd, int pfd,
                                      gpucx_slot_t *slot, int timeout_ms)
 {
+    int r = 0;
+
     if (slot->status == UCS_INPROGRESS) {
-        gpucx_worker_sleep(worker, efd, timeout_ms);
+        r = gpucx_worker_sleep(worker, efd, pfd, timeout_ms);
     }
     gpucx__release(slot);
+    if (slot->status == UCS_INPROGRESS && r == -GPUCX_PEER_EXITED) {
+        return (ucs_status_t)GPUCX_PEER_EXITED;
+    }
     return slot->status;
 }
 

@@ -725,7 +725,7 @@ class ProgressThread:
             h = w._h
             if h is None:
                 return
-            lib.gpucx_worker_sleep(h, w._efd, 50)
+            lib.gpucx_worker_sleep(h, w._efd, -1, 50)
 
     def stop(self, timeout: float | None = 5.0) -> None:
         """Stop the thread and wait for it (wakes it through the fd)."""

@@ -54,6 +54,8 @@ _SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 
 #: Longest single sleep, so deadlines and signals are checked in time.
 _SLICE_MS = 100
+#: What the C sleeps report when a watched local peer's pidfd woke them.
+_PEER_EXITED = lib.GPUCX_PEER_EXITED
 #: How long a canceled operation may take to report back when its worker
 #: closes.
 _DRAIN_S = 5.0
@@ -89,6 +91,15 @@ def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
     if left <= 0:
         raise TimeoutError(f"{what} within {timeout} s", lib.UCS_ERR_TIMED_OUT)
     return min(_SLICE_MS, max(1, int(left * 1000)))
+
+
+def _peer_exited(worker) -> None:
+    """A sleep was woken by the pidfd of a local peer the worker watches:
+    look at its peers now, not at the next interval (gpucx._liveness; the
+    dead peer's endpoint fails, its pidfd leaves the sleeping set)."""
+    from . import _liveness
+
+    _liveness.check(worker, force=True)
 
 
 def block(
@@ -127,9 +138,11 @@ def block(
 
                 raise_closed(ep)  # the peer died: PeerError
             ms = slice_ms(deadline, timeout, "operation did not complete")
-            st = lib.gpucx_wait_sleep(h, efd, slot, ms)
+            st = lib.gpucx_wait_sleep(h, efd, worker._pfd, slot, ms)
             if st != INPROGRESS:
-                return st
+                if st != _PEER_EXITED:
+                    return st
+                _peer_exited(worker)
     except BaseException:
         abandon(worker, slot, keep, cancel)
         raise
@@ -181,7 +194,9 @@ def wait_for(
                 if r:
                     return r
         else:
-            lib.gpucx_worker_sleep(worker._h, worker._efd, ms)
+            woke = lib.gpucx_worker_sleep(worker._h, worker._efd, worker._pfd, ms)
+            if woke == -_PEER_EXITED:
+                _peer_exited(worker)
             worker._poll_events()
         if check is not None:
             check()
@@ -205,7 +220,7 @@ def wait_closing(worker, done: Callable[[], bool], end: float, others=()) -> boo
         for other in others:
             if other._h is not None:
                 lib.ucp_worker_progress(other._h)
-        lib.gpucx_worker_sleep(worker._h, efd, 1)
+        lib.gpucx_worker_sleep(worker._h, efd, -1, 1)
     return True
 
 

@@ -80,6 +80,10 @@ class Worker(Handle):
         self._watched: dict = {}
         self._watch_gen = 0  # bumped by each watch (see aio's pidfds)
         self._pidfds: dict = {}  # endpoint -> pidfd of its peer (-1: none)
+        # The epoll set of those pidfds that blocking waits sleep on beside
+        # the UCX event fd (its fd, or -1 while there is none).
+        self._pset = None
+        self._pfd = -1
         self._peer_interval = context._peer_interval
         self._spin_ns = context._spin_ns
         self._peer_check_at = 0.0

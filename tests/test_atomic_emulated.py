@@ -331,7 +331,7 @@ def test_two_processes_count_to_20000(tls):
             end = time.monotonic() + 35
             while pending and time.monotonic() < end:
                 for _ in range(64):  # progress; sleep on the event fd when idle
-                    lib.gpucx_worker_sleep(w._h, w._efd, 1)
+                    lib.gpucx_worker_sleep(w._h, w._efd, -1, 1)
                 for c in list(pending):
                     if c._conn.poll(0):
                         kind, olds = c.get(5)

@@ -55,9 +55,10 @@ ucs_status_t gpucx_slot_release(gpucx_slot_t *slot);
 ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
 ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
                         uint64_t spin_ns);
-int gpucx_worker_sleep(ucp_worker_h worker, int efd, int timeout_ms);
-ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd, gpucx_slot_t *slot,
-                              int timeout_ms);
+#define GPUCX_PEER_EXITED 2
+int gpucx_worker_sleep(ucp_worker_h worker, int efd, int pfd, int timeout_ms);
+ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd, int pfd,
+                              gpucx_slot_t *slot, int timeout_ms);
 
 ucs_status_t gpucx_config_create(ucp_config_t **out);
 ucs_status_t gpucx_context_create(ucp_config_t *config, uint64_t features,

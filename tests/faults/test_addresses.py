@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 
@@ -285,3 +286,46 @@ def test_address_bytes_reach_a_peer_intact(world):
         ep = w.connect(form)
         ep.close(force=True)
     assert np.frombuffer(peer.address, np.uint8).nbytes == len(peer.address)
+
+
+@pytest.mark.parametrize("wait", ["stream_recv", "recv_array"])
+def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait):
+    """Blocking waits sleep on the watched peers' pidfds beside the UCX
+    event fd: with the periodic check once every 30 s, a local peer's exit
+    still ends a wait on its endpoint at once, with PeerError rather than
+    the 20 s timeout (``block`` for stream_recv, ``wait_for`` for
+    recv_array), and its pidfd leaves the set; the set closes with the
+    worker."""
+    if _liveness.open_pidfd(os.getpid(), _address.proc_start_time()) < 0:
+        pytest.skip("no pidfds on this kernel")  # the periodic check remains
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _address.proc_start_time(child.pid)
+        with gpucx.Context(config={"GPUCX_PEER_CHECK_INTERVAL": 30}) as ctx:
+            w, peer = ctx.create_worker(), ctx.create_worker()
+            framed = _reframe(
+                peer.ucx_address,
+                pid=child.pid,
+                start=start,
+                boot=_address._boot,
+                pidns=_address._ns,
+            )
+            ep = w.connect(framed)
+            fd = w._pidfds[ep]  # opened when the peer is watched
+            assert fd >= 0 and w._pfd >= 0
+            killer = threading.Timer(0.3, child.kill)
+            killer.start()
+            t0 = time.monotonic()
+            with pytest.raises(gpucx.PeerError, match=f"process {child.pid} died"):
+                if wait == "stream_recv":
+                    ep.stream_recv(bytearray(8), timeout=20)
+                else:
+                    ep.recv_array(timeout=20)
+            assert time.monotonic() - t0 < 20  # not the timeout
+            killer.join()
+            assert ep not in w._pidfds and ep not in w._watched
+            w.close()
+            assert w._pset is None and w._pfd == -1
+    finally:
+        child.kill()
+        child.wait()
