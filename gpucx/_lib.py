@@ -20,25 +20,62 @@ MIN_UCX = (1, 20)
 
 _prefix = os.environ.get("GPUCX_UCX_PREFIX", "").strip()
 
-if not _prefix:
-    try:
-        import libucx
-    except ImportError as exc:  # pragma: no cover - dependency of the package
-        raise ImportError(
-            "gpucx needs the libucx-cu12 wheel (pip install libucx-cu12), or "
-            "GPUCX_UCX_PREFIX set to a UCX installation it was built against"
-        ) from exc
-    # dlopen the wheel's libucs/libucp so the extension's DT_NEEDED entries
-    # resolve without LD_LIBRARY_PATH.
-    libucx.load_library()
+#: UCX's grace period for its memory hooks (UCX 1.22 and up): when libucs
+#: loads, UCM patches mmap, munmap and the like in place and waits this long
+#: after each patch, in case another thread is running the function just
+#: patched (50 ms each by default, about 0.4 s per process start).
+_GRACE = "UCX_MEM_BISTRO_GRACE_DURATION"
 
-try:
-    from ._ucx import ffi, lib
-except ImportError as exc:
-    raise ImportError(
-        f"cannot import the gpucx extension ({exc}). Rebuild it with "
-        "`pip install -e .` (and the same GPUCX_UCX_PREFIX as at run time)."
-    ) from exc
+
+def _single_threaded() -> bool:
+    """Whether this process has one thread (Linux: /proc/self/task)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _load() -> None:
+    """Load libucx and the extension.
+
+    In a process with one thread no other thread can be inside a function
+    UCM patches, so the grace period guards nothing: it is set to 0 for
+    the load, unless the user set it, and removed again before UCX reads
+    its configuration (an older UCX, which has no such option, never sees
+    it; child processes do not inherit it).  A process that started threads
+    first (NumPy's OpenBLAS pool, for one) keeps UCX's default.
+    """
+    fast = _GRACE not in os.environ and _single_threaded()
+    if fast:
+        os.environ[_GRACE] = "0"
+    try:
+        if not _prefix:
+            try:
+                import libucx
+            except ImportError as exc:  # pragma: no cover - a dependency
+                raise ImportError(
+                    "gpucx needs the libucx-cu12 wheel (pip install "
+                    "libucx-cu12), or GPUCX_UCX_PREFIX set to a UCX "
+                    "installation it was built against"
+                ) from exc
+            # dlopen the wheel's libucs/libucp so the extension's DT_NEEDED
+            # entries resolve without LD_LIBRARY_PATH.
+            libucx.load_library()
+        try:
+            from . import _ucx  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                f"cannot import the gpucx extension ({exc}). Rebuild it with "
+                "`pip install -e .` (and the same GPUCX_UCX_PREFIX as at run "
+                "time)."
+            ) from exc
+    finally:
+        if fast:
+            os.environ.pop(_GRACE, None)
+
+
+_load()
+from ._ucx import ffi, lib  # noqa: E402
 
 
 def _check() -> tuple[int, int, int]:

@@ -7,11 +7,36 @@ spawn processes pass explicit, shorter join timeouts so a hang is a failure.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 
 import pytest
 
-import gpucx
+
+def _ucx_grace_off() -> None:
+    """UCX 1.22 and up wait UCX_MEM_BISTRO_GRACE_DURATION (50 ms) after each
+    function their memory hooks patch when libucs loads: about 0.4 s per
+    process, and the suite starts hundreds of processes, most with NumPy's
+    thread pool already running, so gpucx's own rule (gpucx/_lib.py: no
+    grace in a single-threaded process) does not apply to them.  No thread
+    of theirs is inside mmap then, so the suite and its children load UCX
+    without the grace.  Older UCX has no such option (and would warn about
+    an unknown variable), a user's setting is kept."""
+    if os.environ.get("GPUCX_UCX_PREFIX"):
+        return  # another UCX: its version is not known before it loads
+    try:
+        import libucx
+
+        version = tuple(int(x) for x in libucx.__version__.split(".")[:2])
+    except (ImportError, AttributeError, ValueError):
+        return
+    if version >= (1, 22):
+        os.environ.setdefault("UCX_MEM_BISTRO_GRACE_DURATION", "0")
+
+
+_ucx_grace_off()
+
+import gpucx  # noqa: E402
 
 #: Transport families every transfer test runs over.
 TRANSPORTS = {

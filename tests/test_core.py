@@ -228,6 +228,47 @@ def test_no_crash_at_interpreter_exit():
     assert out.returncode == 0, out.stderr
 
 
+_GRACE_PROBE = """
+import os, sys, threading
+if sys.argv[1] == "thread":
+    threading.Thread(target=threading.Event().wait, daemon=True).start()
+if sys.argv[1] == "user":
+    os.environ["UCX_MEM_BISTRO_GRACE_DURATION"] = "20ms"
+import libucx
+seen = []
+load = libucx.load_library
+libucx.load_library = lambda: (
+    seen.append(os.environ.get("UCX_MEM_BISTRO_GRACE_DURATION")), load())
+import gpucx
+gpucx.Context().close()  # UCX reads its configuration: no unknown variable
+print(seen, os.environ.get("UCX_MEM_BISTRO_GRACE_DURATION"))
+"""
+
+
+@pytest.mark.parametrize(
+    "case,during,after",
+    [("alone", "'0'", "None"), ("thread", "None", "None"), ("user", "'20ms'", "20ms")],
+)
+def test_ucx_loads_without_the_hook_grace_only_in_a_single_thread(case, during, after):
+    """UCM's grace period after each hook it patches protects other threads
+    running the patched function: with one thread there is none, and gpucx
+    loads UCX without it (set for the load only); with another thread, or a
+    user's own setting, UCX gets what it would have got."""
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MEM_BISTRO_GRACE_DURATION"}
+    if env.get("GPUCX_UCX_PREFIX"):
+        pytest.skip("gpucx loads the UCX of GPUCX_UCX_PREFIX, not the wheel's")
+    out = subprocess.run(
+        [sys.executable, "-c", _GRACE_PROBE, case],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"[{during}]", after]
+    assert "UCX_MEM_BISTRO_GRACE_DURATION" not in out.stderr  # no UCX warning
+
+
 def test_forked_child_cannot_use_parent_objects_but_can_make_its_own():
     ctx = gpucx.Context()
     w = ctx.create_worker()
