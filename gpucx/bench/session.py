@@ -305,7 +305,12 @@ def spawn_local(
         cmd += ["--tls", tls]
     if not error_handling:
         cmd.append("--no-error-handling")
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # The peer does no linear algebra: without a thread pool, NumPy's
+    # OpenBLAS does not spin a core for its first 50-100 ms, which on a small
+    # host overlaps the first point's warm-up.
+    env = dict(os.environ)
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     ctx = None
     try:
         line = _readline(proc, 60.0)
