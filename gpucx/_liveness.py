@@ -155,6 +155,10 @@ def check(worker, now: float | None = None, force: bool = False) -> None:
             unwatch(worker, ep)
         else:
             check_peer(worker, ep)
+    # A pidfd opened for an endpoint another thread unwatched meanwhile
+    # ("multi" workers) would wake every sleep once its peer exits.
+    for ep in [e for e in worker._pidfds if e not in watched]:
+        unwatch(worker, ep)
     sweep_parked(worker)
 
 

@@ -329,3 +329,30 @@ def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait):
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_pidfd_left_for_an_unwatched_endpoint_is_closed_by_the_next_check():
+    """On a "multi" worker a check on one thread may reopen the pidfd of an
+    endpoint another thread just unwatched; the next check closes it, so a
+    readable one cannot keep waking the worker's sleeps."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _address.proc_start_time(child.pid)
+        with gpucx.Context() as ctx:
+            w, peer = ctx.create_worker(), ctx.create_worker()
+            framed = _reframe(
+                peer.ucx_address,
+                pid=child.pid,
+                start=start,
+                boot=_address._boot,
+                pidns=_address._ns,
+            )
+            ep = w.connect(framed)
+            _liveness.unwatch(w, ep)
+            _liveness._keep_pidfd(w, ep, (child.pid, start))  # the other thread
+            assert ep in w._pidfds and ep not in w._watched
+            _liveness.check(w, force=True)
+            assert ep not in w._pidfds
+    finally:
+        child.kill()
+        child.wait()
