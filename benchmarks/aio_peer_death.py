@@ -29,13 +29,20 @@ from conftest import channel_pair, spawn, transport_config  # noqa: E402
 from peers_aio import aio_peer_to_kill  # noqa: E402
 
 
-async def once(tls: str, interval: float | None) -> float:
-    """Seconds from the kill order to ``wait_closed`` returning."""
+def peer_to_kill(tls: str, interval: float | None):
+    """Spawn the peer; return its channel, its process and the context
+    config for this side (``--tls``, ``--interval``)."""
     ch, theirs = channel_pair()
     child = spawn(aio_peer_to_kill, tls, "address", theirs)
     cfg = dict(transport_config(tls))
     if interval is not None:
         cfg["GPUCX_PEER_CHECK_INTERVAL"] = interval
+    return ch, child, cfg
+
+
+async def once(tls: str, interval: float | None) -> float:
+    """Seconds from the kill order to ``wait_closed`` returning."""
+    ch, child, cfg = peer_to_kill(tls, interval)
     try:
         with gpucx.Context(config=cfg) as ctx:
             async with gpucx.aio.Worker(ctx) as w:
@@ -54,12 +61,19 @@ async def once(tls: str, interval: float | None) -> float:
     return took
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def options(doc: str) -> argparse.Namespace:
+    """The command line of this script and of blocking_peer_death.py."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("-n", type=int, default=9, help="trials (default 9)")
     ap.add_argument("--tls", default="shm", help="default, tcp or shm")
-    ap.add_argument("--interval", type=float, default=None)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--interval", type=float, default=None, help="GPUCX_PEER_CHECK_INTERVAL"
+    )
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = options(__doc__)
     ms = [asyncio.run(once(args.tls, args.interval)) * 1e3 for _ in range(args.n)]
     print(
         f"gpucx {gpucx.__version__}, tls {args.tls}: kill -> wait_closed "

@@ -15,7 +15,6 @@ same for ``gpucx.aio``.)
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -25,19 +24,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import gpucx  # noqa: E402
+from aio_peer_death import options, peer_to_kill  # noqa: E402
 
-from conftest import channel_pair, spawn, transport_config  # noqa: E402
-from peers_aio import aio_peer_to_kill  # noqa: E402
+import gpucx  # noqa: E402
 
 
 def once(tls: str, interval: float | None) -> float:
     """Seconds from the kill order to the blocking wait's PeerError."""
-    ch, theirs = channel_pair()
-    child = spawn(aio_peer_to_kill, tls, "address", theirs)
-    cfg = dict(transport_config(tls))
-    if interval is not None:
-        cfg["GPUCX_PEER_CHECK_INTERVAL"] = interval
+    ch, child, cfg = peer_to_kill(tls, interval)
     told = []
 
     def tell() -> None:
@@ -66,13 +60,7 @@ def once(tls: str, interval: float | None) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-n", type=int, default=9, help="trials (default 9)")
-    ap.add_argument("--tls", default="shm", help="default, tcp or shm")
-    ap.add_argument(
-        "--interval", type=float, default=None, help="GPUCX_PEER_CHECK_INTERVAL"
-    )
-    args = ap.parse_args()
+    args = options(__doc__)
     ms = sorted(once(args.tls, args.interval) * 1e3 for _ in range(args.n))
     print(
         f"gpucx {gpucx.__version__}, tls {args.tls}, interval "

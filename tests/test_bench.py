@@ -389,7 +389,16 @@ def _am_stream(w, ep, buf, iters, window, timeout_ns=20 * SECOND):
 
 
 def _am_pingpong(
-    w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND, reg=None
+    w,
+    ep,
+    initiator,
+    sbuf,
+    rbuf,
+    iters,
+    rtt=None,
+    timeout_ns=20 * SECOND,
+    reg=None,
+    rmt=None,
 ):
     out = ffi.new("uint64_t *")
     rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
@@ -403,6 +412,7 @@ def _am_pingpong(
         ffi.from_buffer(sbuf),
         HOST,
         ffi.from_buffer(rbuf),
+        HOST if rmt is None else rmt,
         rbuf.nbytes,
         iters,
         timeout_ns,
@@ -497,7 +507,7 @@ def test_c_am_pingpong_reports_truncation(pair):
     assert st == lib.UCS_ERR_TIMED_OUT  # no echo came
 
 
-def test_c_am_pingpong_needs_a_registration(pair):
+def test_c_am_pingpong_needs_a_registration_and_host_memory(pair):
     st, _ = _am_pingpong(
         pair.a,
         pair.ab,
@@ -506,6 +516,11 @@ def test_c_am_pingpong_needs_a_registration(pair):
         np.zeros(8, np.uint8),
         1,
         reg=ffi.NULL,
+    )
+    assert st == lib.UCS_ERR_INVALID_PARAM
+    cuda = int(gpucx.MemoryType.CUDA)  # never touched: refused before posting
+    st, _ = _am_pingpong(
+        pair.a, pair.ab, 1, np.ones(8, np.uint8), np.zeros(8, np.uint8), 1, rmt=cuda
     )
     assert st == lib.UCS_ERR_INVALID_PARAM
 

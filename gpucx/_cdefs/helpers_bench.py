@@ -26,7 +26,8 @@ ucs_status_t gpucx_bench_am_stream(ucp_worker_h worker, ucp_ep_h ep, unsigned id
 ucs_status_t gpucx_bench_am_pingpong(ucp_worker_h worker, ucp_ep_h ep,
                                      gpucx_am_reg_t *reg, unsigned id,
                                      int initiator, void *sbuf, int smt,
-                                     void *rbuf, size_t len, uint64_t iters,
+                                     void *rbuf, int rmt, size_t len,
+                                     uint64_t iters,
                                      uint64_t timeout_ns, gpucx_slot_t *slots,
                                      uint64_t *rtt_ns, uint64_t *elapsed_ns);
 ucs_status_t gpucx_bench_rma_stream(ucp_worker_h worker, ucp_ep_h ep, int get,

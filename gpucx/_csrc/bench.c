@@ -399,24 +399,24 @@ static ucs_status_t gpucx_bench_tag_pingpong(ucp_worker_h worker, ucp_ep_h ep,
 }
 
 /* Active-message ping-pong (see gpucx__bench_pingpong): messages to id,
- * received into host memory rbuf through receives posted for reg's id
- * (the registration am_recv_nb uses; the caller made it). */
+ * received into host memory rbuf (rmt must say so) through receives posted
+ * for reg's id (the registration am_recv_nb uses; the caller made it). */
 static ucs_status_t gpucx_bench_am_pingpong(ucp_worker_h worker, ucp_ep_h ep,
                                             gpucx_am_reg_t *reg, unsigned id,
                                             int initiator, void *sbuf,
-                                            int smt, void *rbuf, size_t len,
-                                            uint64_t iters,
+                                            int smt, void *rbuf, int rmt,
+                                            size_t len, uint64_t iters,
                                             uint64_t timeout_ns,
                                             gpucx_slot_t *slots,
                                             uint64_t *rtt_ns,
                                             uint64_t *elapsed_ns)
 {
-    if (reg == NULL) {
-        return UCS_ERR_INVALID_PARAM;
+    if (reg == NULL || rmt != UCS_MEMORY_TYPE_HOST) {
+        return UCS_ERR_INVALID_PARAM; /* posted receives take host memory */
     }
     return gpucx__bench_pingpong(worker, ep, reg, initiator, sbuf, smt, rbuf,
-                                 UCS_MEMORY_TYPE_HOST, len, id, iters,
-                                 timeout_ns, slots, rtt_ns, elapsed_ns);
+                                 rmt, len, id, iters, timeout_ns, slots,
+                                 rtt_ns, elapsed_ns);
 }
 
 /* RMA bandwidth: `iters` puts (get=0) or gets (get=1) of `len` bytes between

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import numpy
 
@@ -202,6 +203,9 @@ class Bench:
     #: Context features the serving side needs for this test
     #: (``gpucx bench --server`` enables only those of the tests it serves).
     features: frozenset[str] = frozenset({"tag"})
+    #: The send and receive buffers of the ping-pong tests (c_pingpong).
+    sbuf: Any
+    rbuf: Any
 
     def __init__(self, sess, params: Params, server: bool = False):
         self.s = sess
@@ -227,6 +231,80 @@ class Bench:
     # helpers
     def buffer(self, fill: int = 0):
         return alloc(self.mem, self.p.size, self.s.device, fill, self.s.ctx)
+
+    def c_pingpong(self, fn, head: tuple, tail: tuple, rtt) -> None:
+        """One run of a C ping-pong loop (``gpucx_bench_*_pingpong``):
+        ``fn(worker, ep, *head, sbuf, smt, rbuf, rmt, nbytes, *tail,
+        timeout_ns, slots, rtt_ns, elapsed)`` on this side's ``sbuf`` and
+        ``rbuf``; round trips into ``rtt`` (a uint64 array) unless None.
+        Raises the loop's error."""
+        sp, n, smt, skeep = acquire(self.sbuf, False)
+        rp, _, rmt, rkeep = acquire(self.rbuf, True)
+        out = ffi.new("uint64_t *")
+        rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
+        slots = c_slots(2)
+        w, ep = handle(self.s.worker), handle(self.s.ep)
+        st = fn(
+            w, ep, *head, sp, smt, rp, rmt, n, *tail, self.timeout_ns, slots, rtt_p, out
+        )
+        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
+
+    def c_acked_stream(self, fn, head: tuple, tail: tuple, buf, receiving: bool) -> int:
+        """One run of a C bandwidth loop that ends with the receiver's
+        acknowledgement (``gpucx_bench_tag_stream``, ``gpucx_bench_am_stream``):
+        ``fn(worker, ep, *head, ptr, nbytes, mt, *tail, window, timeout_ns,
+        slots, ack, elapsed)`` on ``buf``; returns the ns it took."""
+        ptr, nbytes, mt, keep = acquire(buf, receiving)
+        out = ffi.new("uint64_t *")
+        nslots = self.p.window + 1
+        slots = c_slots(nslots)
+        ack = ffi.new("uint64_t *")
+        w, ep = handle(self.s.worker), handle(self.s.ep)
+        st = fn(
+            w,
+            ep,
+            *head,
+            ptr,
+            nbytes,
+            mt,
+            *tail,
+            self.p.window,
+            self.timeout_ns,
+            slots,
+            ack,
+            out,
+        )
+        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
+        return out[0]
+
+    def run_prepared(self, prepare, entry, n: int, finish) -> int:
+        """``n`` operations as prepared lists of ``window`` entries
+        (``prepare([entry] * k)``: ``ep.prepare_put``, ``prepare_get``,
+        ``prepare_am``): one C call runs a list, two lists in flight at a
+        time, then ``finish()`` (a flush, the receiver's acknowledgement).
+        Returns the ns from the first run to the end of ``finish``."""
+        t = self.p.timeout
+        window = max(1, self.p.window)
+        full, rest = divmod(n, window)
+        lists = [prepare([entry] * window)] if full else []
+        tail = prepare([entry] * rest) if rest else None
+        try:
+            runs = lists * full + ([tail] if tail is not None else [])
+            t0 = _perf_ns()
+            prev = None
+            for xfer in runs:
+                req = xfer.run_nb()
+                if prev is not None:
+                    prev.wait(t)
+                prev = req
+            if prev is not None:
+                prev.wait(t)
+            finish()
+            return _perf_ns() - t0
+        finally:
+            for xfer in [*lists, tail]:
+                if xfer is not None:
+                    xfer.close()
 
     def ack_send(self) -> None:
         self.s.ep.send(numpy.zeros(1, numpy.uint64), tag=ACK_TAG)
@@ -321,28 +399,9 @@ class TagLat(Bench):
         return {}
 
     def _c_loop(self, initiator: int, iters: int, rtt) -> None:
-        sp, n, smt, skeep = acquire(self.sbuf, False)
-        rp, _, rmt, rkeep = acquire(self.rbuf, True)
-        out = ffi.new("uint64_t *")
-        rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
-        slots = c_slots(2)
-        st = lib.gpucx_bench_tag_pingpong(
-            handle(self.s.worker),
-            handle(self.s.ep),
-            initiator,
-            sp,
-            smt,
-            rp,
-            rmt,
-            n,
-            DATA_TAG,
-            iters,
-            self.timeout_ns,
-            slots,
-            rtt_p,
-            out,
+        self.c_pingpong(
+            lib.gpucx_bench_tag_pingpong, (initiator,), (DATA_TAG, iters), rtt
         )
-        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
 
     def _py_loop(self, initiator: bool, iters: int, rtt) -> None:
         w, ep = self.s.worker, self.s.ep
@@ -387,29 +446,13 @@ class TagBw(Bench):
         return {}
 
     def _c_loop(self, send: int, iters: int) -> int:
-        bp, n, mt, keep = acquire(self.buf, not send)
-        out = ffi.new("uint64_t *")
-        nslots = self.p.window + 1
-        slots = c_slots(nslots)
-        ack = ffi.new("uint64_t *")
-        st = lib.gpucx_bench_tag_stream(
-            handle(self.s.worker),
-            handle(self.s.ep),
-            send,
-            bp,
-            n,
-            mt,
-            DATA_TAG,
-            ACK_TAG,
-            iters,
-            self.p.window,
-            self.timeout_ns,
-            slots,
-            ack,
-            out,
+        return self.c_acked_stream(
+            lib.gpucx_bench_tag_stream,
+            (send,),
+            (DATA_TAG, ACK_TAG, iters),
+            self.buf,
+            not send,
         )
-        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
-        return out[0]
 
     def _py_loop(self, send: bool, iters: int) -> int:
         w, ep, t = self.s.worker, self.s.ep, self.p.timeout
@@ -499,28 +542,9 @@ class AmLat(_AmBase):
             self._inbox()
 
     def _c_loop(self, initiator: int, iters: int, rtt) -> None:
-        sp, n, smt, skeep = acquire(self.sbuf, False)
-        rp, _, _, rkeep = acquire(self.rbuf, True)
-        out = ffi.new("uint64_t *")
-        rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
-        slots = c_slots(2)
-        st = lib.gpucx_bench_am_pingpong(
-            handle(self.s.worker),
-            handle(self.s.ep),
-            self.reg,
-            AM_ID,
-            initiator,
-            sp,
-            smt,
-            rp,
-            n,
-            iters,
-            self.timeout_ns,
-            slots,
-            rtt_p,
-            out,
+        self.c_pingpong(
+            lib.gpucx_bench_am_pingpong, (self.reg, AM_ID, initiator), (iters,), rtt
         )
-        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
 
     def serve(self) -> None:
         if self._in_c():
@@ -593,55 +617,16 @@ class AmBw(_AmBase):
 
     def _c_phase(self, n: int) -> int:
         """``n`` messages from the C loop, acknowledged by the receiver."""
-        bp, nbytes, mt, keep = acquire(self.sbuf, False)
-        out = ffi.new("uint64_t *")
-        nslots = self.p.window + 1
-        slots = c_slots(nslots)
-        ack = ffi.new("uint64_t *")
-        st = lib.gpucx_bench_am_stream(
-            handle(self.s.worker),
-            handle(self.s.ep),
-            AM_ID,
-            bp,
-            nbytes,
-            mt,
-            ACK_TAG,
-            n,
-            self.p.window,
-            self.timeout_ns,
-            slots,
-            ack,
-            out,
+        return self.c_acked_stream(
+            lib.gpucx_bench_am_stream, (AM_ID,), (ACK_TAG, n), self.sbuf, False
         )
-        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
-        return out[0]
 
     def _prepared_phase(self, n: int) -> int:
-        """``n`` messages as prepared batches of ``window`` messages
-        (``ep.prepare_am``): one C call sends a batch, two batches in
-        flight at a time."""
-        ep, t = self.s.ep, self.p.timeout
-        window = max(1, self.p.window)
-        full, rest = divmod(n, window)
-        batch = ep.prepare_am(AM_ID, [self.sbuf] * window) if full else None
-        tail = ep.prepare_am(AM_ID, [self.sbuf] * rest) if rest else None
-        try:
-            runs = [b for b in [batch] * full + [tail] if b is not None]
-            t0 = _perf_ns()
-            prev = None
-            for b in runs:
-                req = b.run_nb()
-                if prev is not None:
-                    prev.wait(t)
-                prev = req
-            if prev is not None:
-                prev.wait(t)
-            self.ack_recv()
-            return _perf_ns() - t0
-        finally:
-            for b in (batch, tail):
-                if b is not None:
-                    b.close()
+        """``n`` messages as ``ep.prepare_am`` batches (``run_prepared``)."""
+        ep = self.s.ep
+        return self.run_prepared(
+            lambda bufs: ep.prepare_am(AM_ID, bufs), self.sbuf, n, self.ack_recv
+        )
 
     def _phase(self, n: int) -> int:
         if self.p.api == "prepared":
@@ -779,33 +764,15 @@ class _RmaBw(_RmaBase):
         return super().run(extra)
 
     def _prepared_phase(self, rmem, n: int) -> int:
-        """``n`` puts or gets as prepared transfer lists of ``window``
-        entries: one C call posts a list, two lists in flight at a time."""
-        ep, t = self.s.ep, self.p.timeout
-        window = max(1, self.p.window)
-        prepare = ep.prepare_get if self.get else ep.prepare_put
-        full, rest = divmod(n, window)
-        lists = [prepare([(self.local, rmem, 0)] * window)] if full else []
-        tail = prepare([(self.local, rmem, 0)] * rest) if rest else None
-        try:
-            t0 = _perf_ns()
-            prev = None
-            runs = [lists[0]] * full if full else []
-            if tail is not None:
-                runs.append(tail)
-            for xfer in runs:
-                req = xfer.run_nb()
-                if prev is not None:
-                    prev.wait(t)
-                prev = req
-            if prev is not None:
-                prev.wait(t)
-            ep.flush(timeout=t)
-            return _perf_ns() - t0
-        finally:
-            for xfer in [*lists, tail]:
-                if xfer is not None:
-                    xfer.close()
+        """``n`` puts or gets as prepared transfer lists (``run_prepared``),
+        then an endpoint flush."""
+        ep = self.s.ep
+        return self.run_prepared(
+            ep.prepare_get if self.get else ep.prepare_put,
+            (self.local, rmem, 0),
+            n,
+            lambda: ep.flush(timeout=self.p.timeout),
+        )
 
     def _phase(self, rmem, n: int) -> int:
         if self.p.api == "prepared":

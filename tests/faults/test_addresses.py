@@ -23,6 +23,31 @@ from gpucx import _address, _liveness
 TRAILER = _address.TRAILER_LEN
 
 
+@pytest.fixture
+def stand_in():
+    """A sleeping child process, and ``frame(worker)``: the worker's UCX
+    address framed as if the worker ran in that child (its pid and start
+    time), so that gpucx's liveness checks watch the child, which a test
+    may kill."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = _address.proc_start_time(child.pid)
+
+    def frame(worker) -> bytes:
+        return _reframe(
+            worker.ucx_address,
+            pid=child.pid,
+            start=start,
+            boot=_address._boot,
+            pidns=_address._ns,
+        )
+
+    try:
+        yield child, start, frame
+    finally:
+        child.kill()
+        child.wait()
+
+
 @pytest.fixture(scope="module")
 def world():
     """A context with two workers; ``peer``'s address is the one mutated."""
@@ -117,9 +142,11 @@ def test_local_peer_watched_and_unwatched_on_close(world):
 
 
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
-def test_local_peer_checked_through_its_pidfd_until_unwatched(pidfd, monkeypatch):
-    """A watched peer is checked with a select of its pidfd, opened at the
-    first check and closed when its endpoint closes or the peer is found
+def test_local_peer_checked_through_its_pidfd_until_unwatched(
+    pidfd, monkeypatch, stand_in
+):
+    """A watched peer is checked with a select of its pidfd, opened when the
+    peer is watched and closed when its endpoint closes or the peer is found
     dead; /proc confirms a death (and is the whole check without pidfds)."""
     if not pidfd:
 
@@ -127,37 +154,25 @@ def test_local_peer_checked_through_its_pidfd_until_unwatched(pidfd, monkeypatch
             raise OSError(38, "pidfd_open not implemented")
 
         monkeypatch.setattr(os, "pidfd_open", no_pidfd)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = _address.proc_start_time(child.pid)
-        with gpucx.Context() as ctx:
-            w, peer = ctx.create_worker(), ctx.create_worker()
-            framed = _reframe(
-                peer.ucx_address,
-                pid=child.pid,
-                start=start,
-                boot=_address._boot,
-                pidns=_address._ns,
-            )
-            closed, ep = w.connect(framed), w.connect(framed)
-            for e in (closed, ep):
-                assert w._watched[e] == (child.pid, start)
-                assert _liveness.check_peer(w, e) is False  # alive
-                fd = w._pidfds[e]
-                assert (fd >= 0) == pidfd
-                if pidfd:
-                    assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
-            closed.close(force=True)
-            assert closed not in w._watched and closed not in w._pidfds
-            child.kill()
-            child.wait()
-            assert _liveness.check_peer(w, ep) is True  # dead: failed
-            assert ep not in w._watched and ep not in w._pidfds
-            assert isinstance(ep.error, gpucx.PeerError)
-            assert f"peer process {child.pid} died" in str(ep.error)
-    finally:
+    child, start, frame = stand_in
+    with gpucx.Context() as ctx:
+        w, peer = ctx.create_worker(), ctx.create_worker()
+        closed, ep = w.connect(frame(peer)), w.connect(frame(peer))
+        for e in (closed, ep):
+            assert w._watched[e] == (child.pid, start)
+            assert _liveness.check_peer(w, e) is False  # alive
+            fd = w._pidfds[e]
+            assert (fd >= 0) == pidfd
+            if pidfd:
+                assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+        closed.close(force=True)
+        assert closed not in w._watched and closed not in w._pidfds
         child.kill()
         child.wait()
+        assert _liveness.check_peer(w, ep) is True  # dead: failed
+        assert ep not in w._watched and ep not in w._pidfds
+        assert isinstance(ep.error, gpucx.PeerError)
+        assert f"peer process {child.pid} died" in str(ep.error)
 
 
 def test_proc_alive():
@@ -289,7 +304,7 @@ def test_address_bytes_reach_a_peer_intact(world):
 
 
 @pytest.mark.parametrize("wait", ["stream_recv", "recv_array"])
-def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait):
+def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait, stand_in):
     """Blocking waits sleep on the watched peers' pidfds beside the UCX
     event fd: with the periodic check once every 30 s, a local peer's exit
     still ends a wait on its endpoint at once, with PeerError rather than
@@ -298,61 +313,38 @@ def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait):
     worker."""
     if _liveness.open_pidfd(os.getpid(), _address.proc_start_time()) < 0:
         pytest.skip("no pidfds on this kernel")  # the periodic check remains
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = _address.proc_start_time(child.pid)
-        with gpucx.Context(config={"GPUCX_PEER_CHECK_INTERVAL": 30}) as ctx:
-            w, peer = ctx.create_worker(), ctx.create_worker()
-            framed = _reframe(
-                peer.ucx_address,
-                pid=child.pid,
-                start=start,
-                boot=_address._boot,
-                pidns=_address._ns,
-            )
-            ep = w.connect(framed)
-            fd = w._pidfds[ep]  # opened when the peer is watched
-            assert fd >= 0 and w._pfd >= 0
-            killer = threading.Timer(0.3, child.kill)
-            killer.start()
-            t0 = time.monotonic()
-            with pytest.raises(gpucx.PeerError, match=f"process {child.pid} died"):
-                if wait == "stream_recv":
-                    ep.stream_recv(bytearray(8), timeout=20)
-                else:
-                    ep.recv_array(timeout=20)
-            assert time.monotonic() - t0 < 20  # not the timeout
-            killer.join()
-            assert ep not in w._pidfds and ep not in w._watched
-            w.close()
-            assert w._pset is None and w._pfd == -1
-    finally:
-        child.kill()
-        child.wait()
+    child, _, frame = stand_in
+    with gpucx.Context(config={"GPUCX_PEER_CHECK_INTERVAL": 30}) as ctx:
+        w, peer = ctx.create_worker(), ctx.create_worker()
+        ep = w.connect(frame(peer))
+        assert w._pidfds[ep] >= 0 and w._pfd >= 0  # opened when watched
+        killer = threading.Timer(0.3, child.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(gpucx.PeerError, match=f"process {child.pid} died"):
+            if wait == "stream_recv":
+                ep.stream_recv(bytearray(8), timeout=20)
+            else:
+                ep.recv_array(timeout=20)
+        assert time.monotonic() - t0 < 20  # not the timeout
+        killer.join()
+        assert ep not in w._pidfds and ep not in w._watched
+        w.close()
+        assert w._pset is None and w._pfd == -1
 
 
-def test_a_pidfd_left_for_an_unwatched_endpoint_is_closed_by_the_next_check():
+def test_a_pidfd_left_for_an_unwatched_endpoint_is_closed_by_the_next_check(
+    stand_in,
+):
     """On a "multi" worker a check on one thread may reopen the pidfd of an
     endpoint another thread just unwatched; the next check closes it, so a
     readable one cannot keep waking the worker's sleeps."""
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = _address.proc_start_time(child.pid)
-        with gpucx.Context() as ctx:
-            w, peer = ctx.create_worker(), ctx.create_worker()
-            framed = _reframe(
-                peer.ucx_address,
-                pid=child.pid,
-                start=start,
-                boot=_address._boot,
-                pidns=_address._ns,
-            )
-            ep = w.connect(framed)
-            _liveness.unwatch(w, ep)
-            _liveness._keep_pidfd(w, ep, (child.pid, start))  # the other thread
-            assert ep in w._pidfds and ep not in w._watched
-            _liveness.check(w, force=True)
-            assert ep not in w._pidfds
-    finally:
-        child.kill()
-        child.wait()
+    child, start, frame = stand_in
+    with gpucx.Context() as ctx:
+        w, peer = ctx.create_worker(), ctx.create_worker()
+        ep = w.connect(frame(peer))
+        _liveness.unwatch(w, ep)
+        _liveness._keep_pidfd(w, ep, (child.pid, start))  # the other thread
+        assert ep in w._pidfds and ep not in w._watched
+        _liveness.check(w, force=True)
+        assert ep not in w._pidfds
