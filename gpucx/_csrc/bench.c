@@ -201,9 +201,12 @@ static inline ucs_status_t gpucx__bench_window(gpucx_bench_ctl_t *c,
         if (UCS_STATUS_IS_ERR(st)) {
             return st;
         }
-        /* Progress once per message, as ucx_perftest does: keeps the
-         * transport's queues moving while the window is not full. */
-        ucp_worker_progress(c->worker);
+        /* No progress while the window has room, as ucx_perftest's loops
+         * (wait_send_window/wait_recv_window): the reuse above progresses
+         * when a slot is still in flight.  A receiver that progressed once
+         * per post would drain the transport faster than it posts, and
+         * every message past its posted receives would wait, copied, in
+         * UCX's unexpected queue. */
     }
     return gpucx__bench_wait_all(c, slots, window);
 }
