@@ -255,12 +255,26 @@ static int gpucx__am_member_recv(gpucx_am_state_t *st, gpucx_am_group_t *g,
     return 0;
 }
 
-/* gpucx__am_deliver for a member of a group (state lock held; released). */
+/* gpucx__am_deliver for a member of a group (state lock held; released).
+ * Eager data that fits is copied and counted under the lock the caller
+ * took (one lock hold per message: the group's count is shared with
+ * other threads' cancels); a rendezvous fetch, which may complete inside
+ * UCX and take the lock in its callback, and a truncation go through
+ * gpucx__am_member_recv unlocked. */
 static ucs_status_t gpucx__am_deliver_member(gpucx_am_state_t *st,
                                              const gpucx_am_post_t *p,
                                              void *data, size_t length,
                                              uint64_t attr)
 {
+    if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length <= p->len) {
+        if (length != 0) {
+            memcpy(p->buf, data, length);
+        }
+        p->slot->length = length;
+        gpucx__am_member_done(p->group, p->slot, UCS_OK);
+        pthread_mutex_unlock(&st->lock);
+        return UCS_OK;
+    }
     pthread_mutex_unlock(&st->lock);
     return gpucx__am_member_recv(st, p->group, p->slot, p->buf, p->len, data,
                                  length, attr)
