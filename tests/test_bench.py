@@ -183,20 +183,21 @@ def _park_pending(w, slots, n, keep):
             w._park(slots + i, (slots, keep))
 
 
-def _stream(w, ep, send, buf, iters, window, timeout_ns=20 * SECOND):
+def _acked(fn, w, ep, head, buf, tail, window, timeout_ns):
+    """Run a C stream that ends with an acknowledgement:
+    ``fn(worker, ep, *head, buf, nbytes, HOST, *tail, window, timeout_ns,
+    slots, ack, elapsed)``; returns (status, elapsed ns)."""
     out = ffi.new("uint64_t *")
     slots = ffi.new("gpucx_slot_t[]", window + 1)
     ack = ffi.new("uint64_t *")
-    st = lib.gpucx_bench_tag_stream(
+    st = fn(
         w._h,
         ep._h if ep is not None else ffi.NULL,
-        send,
+        *head,
         ffi.from_buffer(buf),
         buf.nbytes,
         HOST,
-        DATA_TAG,
-        ACK_TAG,
-        iters,
+        *tail,
         window,
         timeout_ns,
         slots,
@@ -207,21 +208,23 @@ def _stream(w, ep, send, buf, iters, window, timeout_ns=20 * SECOND):
     return st, out[0]
 
 
-def _pingpong(w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND):
+def _pp(fn, w, ep, head, sbuf, rbuf, rmt, tail, rtt, timeout_ns):
+    """Run a C ping-pong: ``fn(worker, ep, *head, sbuf, HOST, rbuf, rmt,
+    nbytes, *tail, timeout_ns, slots, rtt, elapsed)``; returns (status,
+    elapsed ns)."""
     out = ffi.new("uint64_t *")
     rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
     slots = ffi.new("gpucx_slot_t[]", 2)
-    st = lib.gpucx_bench_tag_pingpong(
+    st = fn(
         w._h,
         ep._h,
-        initiator,
+        *head,
         ffi.from_buffer(sbuf),
         HOST,
         ffi.from_buffer(rbuf),
-        HOST,
+        rmt,
         sbuf.nbytes,
-        DATA_TAG,
-        iters,
+        *tail,
         timeout_ns,
         slots,
         rtt_p,
@@ -229,6 +232,28 @@ def _pingpong(w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SEC
     )
     _park_pending(w, slots, 2, (sbuf, rbuf, rtt))
     return st, out[0]
+
+
+def _stream(w, ep, send, buf, iters, window, timeout_ns=20 * SECOND):
+    tail = (DATA_TAG, ACK_TAG, iters)
+    return _acked(
+        lib.gpucx_bench_tag_stream, w, ep, (send,), buf, tail, window, timeout_ns
+    )
+
+
+def _pingpong(w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND):
+    return _pp(
+        lib.gpucx_bench_tag_pingpong,
+        w,
+        ep,
+        (initiator,),
+        sbuf,
+        rbuf,
+        HOST,
+        (DATA_TAG, iters),
+        rtt,
+        timeout_ns,
+    )
 
 
 def _in_thread(fn, *args):
@@ -366,62 +391,27 @@ AM = 7
 
 
 def _am_stream(w, ep, buf, iters, window, timeout_ns=20 * SECOND):
-    out = ffi.new("uint64_t *")
-    slots = ffi.new("gpucx_slot_t[]", window + 1)
-    ack = ffi.new("uint64_t *")
-    st = lib.gpucx_bench_am_stream(
-        w._h,
-        ep._h,
-        AM,
-        ffi.from_buffer(buf),
-        buf.nbytes,
-        HOST,
-        ACK_TAG,
-        iters,
-        window,
-        timeout_ns,
-        slots,
-        ack,
-        out,
-    )
-    _park_pending(w, slots, window + 1, (buf, ack))
-    return st, out[0]
+    fn, tail = lib.gpucx_bench_am_stream, (ACK_TAG, iters)
+    return _acked(fn, w, ep, (AM,), buf, tail, window, timeout_ns)
 
 
 def _am_pingpong(
-    w,
-    ep,
-    initiator,
-    sbuf,
-    rbuf,
-    iters,
-    rtt=None,
-    timeout_ns=20 * SECOND,
-    reg=None,
-    rmt=None,
+    w, ep, initiator, sbuf, rbuf, iters, rtt=None, timeout_ns=20 * SECOND, **bad
 ):
-    out = ffi.new("uint64_t *")
-    rtt_p = ffi.NULL if rtt is None else ffi.cast("uint64_t *", rtt.ctypes.data)
-    slots = ffi.new("gpucx_slot_t[]", 2)
-    st = lib.gpucx_bench_am_pingpong(
-        w._h,
-        ep._h,
-        am_recv_registration(w, AM) if reg is None else reg,
-        AM,
-        initiator,
-        ffi.from_buffer(sbuf),
-        HOST,
-        ffi.from_buffer(rbuf),
-        HOST if rmt is None else rmt,
-        rbuf.nbytes,
-        iters,
+    """``bad``: ``reg`` or ``rmt`` in place of the real ones."""
+    reg = bad["reg"] if "reg" in bad else am_recv_registration(w, AM)
+    return _pp(
+        lib.gpucx_bench_am_pingpong,
+        w,
+        ep,
+        (reg, AM, initiator),
+        sbuf,
+        rbuf,
+        bad.get("rmt", HOST),
+        (iters,),
+        rtt,
         timeout_ns,
-        slots,
-        rtt_p,
-        out,
     )
-    _park_pending(w, slots, 2, (sbuf, rbuf, rtt))
-    return st, out[0]
 
 
 def _am_receive_and_ack(w, ep, dst, n):
