@@ -11,8 +11,8 @@ peer's pidfd (Linux 5.3 and up, about a microsecond), else a read of
 ``/proc/<pid>/stat`` (tens of microseconds).  A peer's exit is also seen at
 once where pidfds exist: the worker keeps its watched peers' pidfds in an
 epoll set (``worker._pfd``) that blocking waits sleep on beside the UCX
-event fd (``gpucx_worker_sleep``), and the asyncio driver puts each pidfd
-on its loop; either looks at the peers as soon as one becomes readable.
+event fd (``gpucx_worker_sleep``) and the asyncio driver puts on its loop;
+either looks at the peers as soon as one becomes readable.
 A peer is dead when its stat file is gone, its state is zombie or dead (a
 SIGKILLed child not yet reaped is a zombie), or the pid now belongs to a
 process started later.
@@ -56,13 +56,11 @@ def peer_alive(ep) -> bool:
 
 def _alive(worker, ep, peer) -> bool:
     """Whether watched ``ep``'s peer process lives.  A ``select`` of its
-    pidfd (opened on first use, kept until :func:`unwatch`) says "alive"
-    for about a microsecond; any other answer, and a peer without a pidfd,
-    is settled by a read of ``/proc/<pid>/stat`` (on a ``"multi"`` worker
-    another thread may have just closed the fd)."""
-    fd = worker._pidfds.get(ep)
-    if fd is None:
-        fd = _keep_pidfd(worker, ep, peer)
+    pidfd (opened by :func:`watch`, kept until :func:`unwatch`) says
+    "alive" for about a microsecond; any other answer, and a peer without a
+    pidfd, is settled by a read of ``/proc/<pid>/stat`` (on a ``"multi"``
+    worker another thread may have just closed the fd)."""
+    fd = worker._pidfds.get(ep, -1)
     if fd >= 0:
         try:
             if not select.select((fd,), (), (), 0)[0]:
@@ -120,7 +118,6 @@ def watch(worker, ep, pid: int, start_time: int) -> None:
     its pidfd goes into the set blocking waits sleep on."""
     if worker._peer_interval > 0:
         worker._watched[ep] = (pid, start_time)
-        worker._watch_gen += 1  # the asyncio driver puts its pidfd on the loop
         if ep not in worker._pidfds:
             _keep_pidfd(worker, ep, (pid, start_time))
 
@@ -156,7 +153,8 @@ def check(worker, now: float | None = None, force: bool = False) -> None:
         else:
             check_peer(worker, ep)
     # A pidfd opened for an endpoint another thread unwatched meanwhile
-    # ("multi" workers) would wake every sleep once its peer exits.
+    # (watch racing a death found on a "multi" worker) would wake every
+    # sleep once its peer exits.
     for ep in [e for e in worker._pidfds if e not in watched]:
         unwatch(worker, ep)
     sweep_parked(worker)

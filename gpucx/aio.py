@@ -27,7 +27,6 @@ its blocking and ``_nb`` forms (await the ``_nb`` request).
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import weakref
 from typing import Any
@@ -87,10 +86,9 @@ class _Driver:
         self._closers: dict[Any, list] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
-        # Watched local peers' pidfds on the loop: endpoint -> fd (-1: none);
-        # synced when the worker's watch generation moves.
-        self._pidfds: dict[Any, int] = {}
-        self._watch_gen = -1
+        # The worker's epoll set of its watched local peers' pidfds
+        # (worker._pfd, made with the first one), on the loop once made.
+        self._pfd = -1
         self._efd = worker.fileno()
         ref = weakref.ref(self)
 
@@ -111,8 +109,7 @@ class _Driver:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        for ep in list(self._pidfds):
-            self._drop_pidfd(ep)
+        self._drop_pfd()
         try:
             self._loop.remove_reader(self._efd)
         except (RuntimeError, ValueError, OSError):  # loop already closed
@@ -168,10 +165,13 @@ class _Driver:
         """Wake up every check interval while something is awaited and the
         worker has peers on this host: a dead shared-memory peer produces no
         event on the fd, only gpucx's liveness check notices it.  Where
-        pidfds exist, their exit wakes us at once (see ``_sync_pidfds``)."""
+        pidfds exist, their exit wakes us at once (see ``_on_peer_exit``)."""
         w = self._worker
-        if w._watch_gen != self._watch_gen:
-            self._sync_pidfds()
+        if w._pfd != self._pfd:
+            self._drop_pfd()
+            if w._pfd >= 0:
+                self._loop.add_reader(w._pfd, self._on_peer_exit)
+                self._pfd = w._pfd
         if (
             self._timer is None
             and w._watched
@@ -180,38 +180,24 @@ class _Driver:
         ):
             self._timer = self._loop.call_later(w._peer_interval, self._on_timer)
 
-    def _sync_pidfds(self) -> None:
-        """Put the pidfd of every local peer the worker watches on the loop,
-        and take off those of peers no longer watched."""
-        w = self._worker
-        self._watch_gen = w._watch_gen
-        watched = w._watched
-        for ep in [e for e in self._pidfds if e not in watched]:
-            self._drop_pidfd(ep)
-        for ep, (pid, start) in list(watched.items()):
-            if ep not in self._pidfds:
-                fd = _live.open_pidfd(pid, start)
-                self._pidfds[ep] = fd
-                if fd >= 0:
-                    self._loop.add_reader(fd, self._on_peer_exit, ep)
-
-    def _drop_pidfd(self, ep) -> None:
-        fd = self._pidfds.pop(ep, -1)
-        if fd >= 0:
+    def _drop_pfd(self) -> None:
+        """Take the worker's pidfd set off the loop (the worker closes it,
+        after this driver detached)."""
+        if self._pfd >= 0:
             try:
-                self._loop.remove_reader(fd)
+                self._loop.remove_reader(self._pfd)
             except (RuntimeError, ValueError, OSError):  # loop already closed
                 pass
-            os.close(fd)
+        self._pfd = -1
 
-    def _on_peer_exit(self, ep) -> None:
-        """A watched peer's pidfd became readable: it exited.  Check it now
-        (``/proc`` confirms; the endpoint fails with PeerError) and settle
-        what that failed."""
-        self._drop_pidfd(ep)
+    def _on_peer_exit(self) -> None:
+        """The worker's pidfd set became readable: a watched peer exited.
+        Look at the peers now (``/proc`` confirms; the endpoint fails with
+        PeerError and its pidfd leaves the set) and settle what that
+        failed."""
         w = self._worker
-        if w._h is not None and ep in w._watched:
-            _live.check_peer(w, ep)
+        if w._h is not None:
+            _live.check(w, force=True)
         self._run()
 
     def _on_timer(self) -> None:

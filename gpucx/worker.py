@@ -78,10 +78,10 @@ class Worker(Handle):
         # Liveness of peers on this host (gpucx._liveness): endpoint ->
         # (pid, start time), checked at most every _peer_interval seconds.
         self._watched: dict = {}
-        self._watch_gen = 0  # bumped by each watch (see aio's pidfds)
         self._pidfds: dict = {}  # endpoint -> pidfd of its peer (-1: none)
         # The epoll set of those pidfds that blocking waits sleep on beside
-        # the UCX event fd (its fd, or -1 while there is none).
+        # the UCX event fd and the asyncio driver puts on its loop (its fd,
+        # or -1 while there is none).
         self._pset = None
         self._pfd = -1
         self._peer_interval = context._peer_interval

@@ -297,12 +297,14 @@ def test_a_killed_local_peer_is_seen_through_its_pidfd():
                 pending = asyncio.ensure_future(w.arecv(bytearray(8), tag=9))
                 await asyncio.sleep(0.2)
                 assert not closed.done() and not pending.done()
-                assert len(w._drv._pidfds) == 1
+                core = w._drv._worker
+                assert len(core._pidfds) == 1  # the peer's pidfd, in the set
+                assert w._drv._pfd == core._pfd >= 0  # the set on the loop
                 ch.put("die")
                 err = await asyncio.wait_for(closed, 10)
                 assert isinstance(err, gpucx.PeerError), err
                 assert "died" in str(err)
-                assert w._drv._pidfds == {}  # taken off the loop and closed
+                assert core._pidfds == {}  # out of the set and closed
                 pending.cancel()
                 ep.close()
 
