@@ -481,12 +481,14 @@ def test_atomic_with_stream_waits_for_the_stream(cupy, cuda_ctx, form):
     region.close()
 
 
-def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx, cuda_cfg):
-    """A call given no ``stream=`` never waits for the GPU: with a kernel held
-    on a non-blocking stream, host-memory tag, AM, put + flush and atomics,
-    a new endpoint and a new context all complete while the kernel waits.
-    (Each kind runs once before the kernel is queued: UCX's one-time CUDA
-    setup in a process can wait for the device; see docs/gpu.md, "Streams".)
+def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx):
+    """An operation given no ``stream=`` never waits for the GPU: with a
+    kernel held on a non-blocking stream, host-memory tag, AM, put + flush
+    and atomics, and a new endpoint of a worker that has endpoints, all
+    complete while the kernel waits.  (Each kind runs once before the kernel
+    is queued.  Setting up is not covered: UCX's CUDA setup when a context is
+    created, or a new context's workers first connect, can wait for the
+    device, as it did on the H200; see docs/gpu.md, "Streams".)
     """
     pair = Pair(cuda_ctx)
     a, b, ab, mem, region, key = _amo_pair(cuda_ctx)
@@ -519,11 +521,7 @@ def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx, cuda
         pair.drive(ep.send_nb(hsrc, tag=33), pair.b.recv_nb(hdst, tag=33), timeout=30)
         assert (hdst == hsrc).all()
 
-    def new_context():
-        with gpucx.Context(config=cuda_cfg) as c:
-            tag(Pair(c))
-
-    calls = [tag, am, put_flush, atomic, new_endpoint, new_context]
+    calls = [tag, am, put_flush, atomic, new_endpoint]
     dev = _last_device(cupy)
     # Put, flush and atomics need b's worker progressing.
     with background(b), cupy.cuda.Device(dev):
@@ -621,7 +619,7 @@ def _bench(*args):
 def test_bench_cuda_vs_perftest(tmp_path, memory):
     out = tmp_path / "bench.json"
     p = _bench(
-        "-m", memory, "-t", "tag_bw,put_bw", "-s", "64K,4M", "-n", "100", "-w",
+        "-m", memory, "-t", "tag_bw,put_bw,am_bw", "-s", "64K,4M", "-n", "100", "-w",
         "10", "--no-progress", "--timeout", "120", "--vs-perftest", "--json", str(out),
     )  # fmt: skip
     assert p.returncode == 0, p.stderr
