@@ -583,25 +583,57 @@ class AmBw(_AmBase):
     perftest = "ucp_am_bw"
     latency_note = "time per message"
 
+    def _by_handler(self) -> bool:
+        """Whether this side receives through a handler and ``receive_into``
+        (device memory, and ``--api python``: the public API's per-message
+        receive) rather than posted receives matched in C."""
+        return self.mem == "cuda" or self.p.api == "python"
+
     def prepare(self) -> dict:
         self.rbuf = self.buffer()
         self.posted: list = []
-        if self.mem != "cuda":
+        if not self._by_handler():
             # Receives posted ahead (worker.am_recv_many_nb: one call, one
             # request per phase), matched in the UCX callback: no Python per
             # message, as ucx_perftest receives in its callback.  Posted
             # before the client may send.
             self.posted = self._post(self.p.warmup)
-        else:  # device memory: a handler and receive_into
+        else:
             self._inbox()
         return {}
 
     def _post(self, n: int) -> list:
         return [self.s.worker.am_recv_many_nb(AM_ID, [self.rbuf] * n)] if n else []
 
+    def _serve_handler(self) -> None:
+        """Each message through the handler, a rendezvous payload received
+        with ``receive_into``, up to ``window`` receives in flight
+        (``ucx_perftest``'s handler posts its receive and returns; one
+        receive at a time would add a copy's latency to every message, the
+        device copy's most of all).  ``--api python`` receives every payload,
+        as a program does; device memory under the C loop receives only
+        rendezvous payloads and drops eager ones unread, as
+        ``ucx_perftest``'s handler does."""
+        every = self.p.api == "python"
+        window = max(1, self.p.window)
+        what = f"bench {self.name}: no active message"
+        worker, t = self.s.worker, self.p.timeout
+        for n in (self.p.warmup, self.p.iters):
+            pending: list = []
+            for _ in range(n):
+                wait_for(worker, lambda: self.inbox, t, what, poll=True)
+                msg = self.inbox.pop(0)
+                if every or msg.is_rndv:
+                    if len(pending) >= window:
+                        spin_wait(self.s, pending.pop(0), t)
+                    pending.append(msg.receive_into(self.rbuf))
+            for req in pending:
+                spin_wait(self.s, req, t)
+            self.ack_send()
+
     def serve(self) -> None:
-        if self.mem == "cuda":
-            self.serve_phases(self._take)
+        if self._by_handler():
+            self._serve_handler()
             return
         for nxt in (self.p.iters, 0):
             for req in self.posted:
