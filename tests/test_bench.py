@@ -151,7 +151,10 @@ def test_plan_defaults_and_fixed_sizes():
 def test_default_iters_bounds():
     assert default_iters(8, "lat") == 10000
     assert default_iters(64 << 20, "bw") == 100
-    assert 100 <= default_iters(1 << 20, "bw") <= 10000
+    # A bandwidth point moves 1 GiB, within 100..100,000 messages.
+    assert default_iters(1 << 20, "bw") == 1024
+    assert default_iters(8, "bw") == 100000
+    assert default_iters(1 << 30, "lat") == 100
 
 
 def test_params_round_trip():
