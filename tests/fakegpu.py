@@ -420,12 +420,18 @@ class FakeDriver:
     polls : int
         ``event_query`` answers "not ready" this many times per recorded
         event before it answers "done".
+    idle : bool
+        What ``stream_query`` answers: False (the default) says every
+        stream has work pending, so waits take the event path.
     """
 
-    def __init__(self, devices: int = 2, pointers=None, polls: int = 0):
+    def __init__(
+        self, devices: int = 2, pointers=None, polls: int = 0, idle: bool = False
+    ):
         self.devices = devices
         self.pointers = dict(pointers or {})
         self.polls = polls
+        self.idle = idle
         self.calls: list[tuple] = []
         self.current = 0
         self.stack: list[int] = []
@@ -477,6 +483,10 @@ class FakeDriver:
     def pop(self) -> None:
         self._log("pop")
         self.current = self.stack.pop()
+
+    def stream_query(self, stream: int) -> bool:
+        self._log("stream_query", stream, self.idle)
+        return self.idle
 
     def event_create(self) -> int:
         self._next_event += 1

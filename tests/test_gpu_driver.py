@@ -90,6 +90,35 @@ def test_errors_name_the_call(drv):
         drv.event_query(0x9999)
 
 
+def test_stream_query(drv):
+    # Without a context the driver refuses: False, so the event path runs
+    # and reports the error (test_errors_name_the_call).
+    assert drv.stream_query(0x5) is False
+    drv.set_current(0xC0)
+    assert drv.stream_query(0x5) is False  # work pending
+    drv._lib.fake_set_idle(1)
+    assert drv.stream_query(0x6) is True
+    assert drv._lib.fake_stream_queries() == 3
+    assert drv._lib.fake_last_stream() == 0x6
+
+
+def test_wait_stream_on_an_idle_stream_records_no_event(drv):
+    drv.set_current(0xC1)
+    drv._lib.fake_set_idle(1)
+    drv._lib.fake_set_polls(4)
+    polls = []
+    gcuda.wait_stream(0x77, lambda: polls.append(1), "test")
+    gcuda.wait_stream(0x78, None, "test")  # blocking form
+    assert drv._lib.fake_stream_queries() == 2
+    assert drv._lib.fake_records() == 0 and drv._lib.fake_events() == 0
+    assert polls == []
+    # Work pending: queried, then an event recorded and polled.
+    drv._lib.fake_set_idle(0)
+    gcuda.wait_stream(0x79, lambda: polls.append(1), "test")
+    assert drv._lib.fake_stream_queries() == 3
+    assert drv._lib.fake_records() == 1 and len(polls) == 4
+
+
 def test_events_and_wait_stream(drv):
     drv.set_current(0xC1)
     drv._lib.fake_set_polls(4)

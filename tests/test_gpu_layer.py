@@ -447,6 +447,37 @@ def test_cai_v3_stream_is_synchronized_before_the_post(fake_driver, pair, monkey
     assert events[-1] == ("post", "gpucx_tag_send_wait", CUDA)
 
 
+def test_an_idle_stream_costs_one_query_and_no_event(fake_driver, pair, monkeypatch):
+    # CuPy names its current stream in every CAI v3 export, so each
+    # operation on a CuPy array waits for a stream: one that has nothing
+    # pending is answered by cuStreamQuery, with no event through the GPU.
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=2)
+    fake_driver.idle = True
+    names = {"gpucx_tag_send_wait"}
+    monkeypatch.setattr(_tag, "lib", PostSpy(_tag.lib, names, events, 5))
+    with pytest.raises(_Posted):
+        pair.ab.send(FakeCudaArrayV3(arr, stream=0x99), tag=3)
+    kinds = [e[0] for e in events]
+    assert ("stream_query", 0x99, True) in events
+    assert kinds.index("stream_query") < kinds.index("post")
+    assert not {"event_create", "event_record", "event_synchronize"} & set(kinds)
+    assert events[-1] == ("post", "gpucx_tag_send_wait", CUDA)
+    # Work pending: the query says so, and the event path waits as before.
+    fake_driver.idle = False
+    del events[:]
+    with pytest.raises(_Posted):
+        pair.ab.send(FakeCudaArrayV3(arr, stream=0x98), tag=3)
+    kinds = [e[0] for e in events]
+    assert ("stream_query", 0x98, False) in events
+    assert (
+        kinds.index("stream_query")
+        < kinds.index("event_record")
+        < kinds.index("event_synchronize")
+        < kinds.index("post")
+    )
+
+
 def test_dlpack_gets_the_consumer_stream_not_minus_one(fake_driver, pair, monkeypatch):
     arr = np.arange(32, dtype=np.uint8)
     events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=0)

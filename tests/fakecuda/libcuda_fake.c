@@ -3,7 +3,8 @@
  * It implements, with the CUDA driver API's C signatures, the calls
  * gpucx.mem.cuda.Driver makes, over host memory and a small in-process
  * model: two devices whose primary contexts are the handles 0xC0 and 0xC1, a
- * per-thread context stack, events that report CUDA_ERROR_NOT_READY a set
+ * per-thread context stack, streams that report pending work unless a test
+ * says they are idle, events that report CUDA_ERROR_NOT_READY a set
  * number of times, and a table of "device" pointers that tests fill with
  * fake_register().  It lets tests drive the real ctypes bindings (argument
  * types, pointer plumbing, error names) end to end.
@@ -39,6 +40,8 @@ static int polls_per_event;
 static int records;
 static uintptr_t last_stream;
 static int memcpys;
+static int streams_idle;  /* what cuStreamQuery answers: 0 = work pending */
+static int stream_queries;
 
 /* -- test controls ------------------------------------------------------ */
 void fake_reset(void)
@@ -50,6 +53,8 @@ void fake_reset(void)
     records = 0;
     last_stream = 0;
     memcpys = 0;
+    streams_idle = 0;
+    stream_queries = 0;
 }
 void fake_register(uintptr_t ptr, int dev, int managed)
 {
@@ -64,6 +69,8 @@ uintptr_t fake_last_stream(void) { return last_stream; }
 int fake_events(void) { return nevents; }
 int fake_memcpys(void) { return memcpys; }
 int fake_depth(void) { return depth; }
+void fake_set_idle(int idle) { streams_idle = idle; }
+int fake_stream_queries(void) { return stream_queries; }
 
 /* -- the driver API subset ------------------------------------------------ */
 CUresult cuInit(unsigned flags) { (void)flags; initialized = 1; return CUDA_SUCCESS; }
@@ -150,6 +157,14 @@ CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr
         }
     }
     return CUDA_SUCCESS;
+}
+
+CUresult cuStreamQuery(CUstream s)
+{
+    last_stream = (uintptr_t)s;
+    stream_queries++;
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    return streams_idle ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 CUresult cuEventCreate(CUevent *e, unsigned flags)
