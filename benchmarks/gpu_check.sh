@@ -14,8 +14,8 @@
 # 5. CUDA IPC between two processes and CUDA stream ordering, reported on
 #    their own (tests of the cuda suite: two_processes with cuda_ipc; the
 #    stream-ordering tests);
-# 6. gpucx bench against ucx_perftest (--vs-perftest) for tag_bw, put_bw and
-#    get_bw at GPU_CHECK_SIZES (default 1M,64M): GPU to GPU (-m cuda), GPU
+# 6. gpucx bench against ucx_perftest (--vs-perftest) for tag_bw, put_bw,
+#    get_bw and am_bw at GPU_CHECK_SIZES (default 1M,64M): GPU to GPU (-m cuda), GPU
 #    and host memory mapped by UCX both ways (-m cuda:ucx, -m ucx:cuda: the
 #    host memory ucx_perftest uses), and GPU with NumPy host memory
 #    (-m cuda:host: pageable, so no like-for-like ratio); then the protocols
@@ -95,7 +95,7 @@ info_has_cuda() {
 }
 pytest_cuda() { "$GPY" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
 bench() {   # bench MEMORY
-    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
+    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw,am_bw -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
 proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
@@ -111,7 +111,7 @@ proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
 protocols() {   # which UCX protocols move GPU data: one line per size range
     local m rc=0
     for m in cuda cuda:ucx ucx:cuda; do
-        UCX_PROTO_INFO=y "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw \
+        UCX_PROTO_INFO=y "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw,am_bw \
             -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$m" -n 20 -w 2 --no-progress \
             > "$LOGS/proto-${m/:/-}.txt" 2>&1 || rc=1
     done
