@@ -16,6 +16,7 @@ using those calls gets.  The other tests drive the public API of their area
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any
@@ -497,14 +498,14 @@ class _AmBase(Bench):
     features = frozenset({"tag", "am"})
 
     def _inbox(self):
-        self.inbox: list = []
+        self.inbox: collections.deque = collections.deque()
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
 
     def _take(self):
         # Busy-polls like ucx_perftest's receiver (see spin_wait).
         what = f"bench {self.name}: no active message"
         wait_for(self.s.worker, lambda: self.inbox, self.p.timeout, what, poll=True)
-        msg = self.inbox.pop(0)
+        msg = self.inbox.popleft()
         if msg.is_rndv:
             msg.receive_into(self.rbuf).wait(self.p.timeout)
         return msg
@@ -617,16 +618,21 @@ class AmBw(_AmBase):
         every = self.p.api == "python"
         window = max(1, self.p.window)
         what = f"bench {self.name}: no active message"
-        worker, t = self.s.worker, self.p.timeout
+        worker, t, inbox, rbuf = self.s.worker, self.p.timeout, self.inbox, self.rbuf
         for n in (self.p.warmup, self.p.iters):
-            pending: list = []
-            for _ in range(n):
-                wait_for(worker, lambda: self.inbox, t, what, poll=True)
-                msg = self.inbox.pop(0)
-                if every or msg.is_rndv:
-                    if len(pending) >= window:
-                        spin_wait(self.s, pending.pop(0), t)
-                    pending.append(msg.receive_into(self.rbuf))
+            pending: collections.deque = collections.deque()
+            left = n
+            while left:
+                if not inbox:
+                    wait_for(worker, lambda: inbox, t, what, poll=True)
+                # Every message already delivered, before progressing again.
+                while inbox and left:
+                    msg = inbox.popleft()
+                    left -= 1
+                    if every or msg.is_rndv:
+                        if len(pending) >= window:
+                            spin_wait(self.s, pending.popleft(), t)
+                        pending.append(msg.receive_into(rbuf))
             for req in pending:
                 spin_wait(self.s, req, t)
             self.ack_send()
