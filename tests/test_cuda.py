@@ -543,6 +543,44 @@ def test_calls_without_stream_do_not_wait_for_other_streams(cupy, cuda_ctx):
     region.close()
 
 
+def test_an_idle_stream_is_not_waited_on_with_an_event(cupy, cpair, monkeypatch):
+    """CuPy names its current stream in every CAI export, so every operation
+    on a CuPy array waits for a stream: an idle one is answered by
+    ``cuStreamQuery`` on the real driver, and only a busy one gets an event
+    (docs/gpu.md, "Streams")."""
+    from gpucx.mem import cuda as gcuda
+
+    drv = gcuda.driver()
+    recorded: list = []
+    record = drv.event_record
+
+    def counting(event, stream):
+        recorded.append(stream)
+        record(event, stream)
+
+    monkeypatch.setattr(drv, "event_record", counting)
+    n = 1 << 12
+    src = pattern(cupy, n, 7)
+    dst = cupy.zeros(n, cupy.uint8)
+    scratch = cupy.zeros(1 << 10, cupy.uint8)
+    cupy.cuda.runtime.deviceSynchronize()
+    cpair.drive(cpair.ab.send_nb(src, tag=41), cpair.b.recv_nb(dst, tag=41), timeout=30)
+    same_bytes(dst, src)
+    assert recorded == []
+    # A kernel held on s: the send given stream=s waits for it with an event.
+    dst[:] = 0
+    cupy.cuda.runtime.deviceSynchronize()
+    s = cupy.cuda.Stream(non_blocking=True)
+    gate = _Gate(cupy, scratch, 1, s)
+    gate.open(after=0.2)
+    req = cpair.ab.send_nb(src, tag=42, stream=s)
+    assert s.done
+    cpair.drive(req, cpair.b.recv_nb(dst, tag=42), timeout=30)
+    same_bytes(dst, src)
+    assert recorded == [s.ptr]
+    assert int(scratch[0]) == 1
+
+
 @pytest.mark.parametrize("form", ["blocking", "nb"])
 def test_probed_recv_with_stream_lands_after_queued_work(cupy, cpair, form):
     n = 1 << 16
