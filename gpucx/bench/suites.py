@@ -81,8 +81,9 @@ class Params:
     use_async: bool = False
     timeout: float = 120.0
     #: Which path is measured: "c" (loops in C), "python" (the Request API,
-    #: one call per message) or "prepared" (put_bw/get_bw through prepared
-    #: transfer lists, ``ep.prepare_put``).  ``use_async`` is True unless "c".
+    #: one call per message) or "prepared" (put_bw/get_bw/am_bw through
+    #: prepared lists, ``ep.prepare_put``/``prepare_get``/``prepare_am``).
+    #: ``use_async`` is True unless "c".
     api: str = "c"
 
     def to_dict(self) -> dict:
@@ -497,6 +498,13 @@ class TagBw(Bench):
 class _AmBase(Bench):
     features = frozenset({"tag", "am"})
 
+    def _by_handler(self) -> bool:
+        """Whether this side receives through a handler and ``receive_into``
+        (device memory, and ``--api python``: the public API's per-message
+        receive) rather than posted receives matched in gpucx's UCX callback
+        (``--api c`` and ``prepared``)."""
+        return self.mem == "cuda" or self.p.api == "python"
+
     def _inbox(self):
         self.inbox: collections.deque = collections.deque()
         self.s.worker.set_am_handler(AM_ID, self.inbox.append)
@@ -522,20 +530,13 @@ class AmLat(_AmBase):
     kind = "lat"
     perftest = "ucp_am_lat"
 
-    def _in_c(self) -> bool:
-        """Whether this side's loop runs in C (``--api c``): its receives
-        are posted ones (``am_recv_nb``'s registration), matched in gpucx's
-        UCX callback.  Device memory, and the Python API, take each message
-        through a handler and ``receive_into``."""
-        return not self.p.use_async and self.mem != "cuda"
-
     def prepare(self) -> dict:
         self.sbuf, self.rbuf = self.buffer(1), self.buffer()
         self._setup()
         return {}
 
     def _setup(self) -> None:
-        if self._in_c():
+        if not self._by_handler():
             # Made before the client may send: without a handler, a message
             # that finds no posted receive is kept for the next one.
             self.reg = am_recv_registration(self.s.worker, AM_ID)
@@ -548,7 +549,7 @@ class AmLat(_AmBase):
         )
 
     def serve(self) -> None:
-        if self._in_c():
+        if not self._by_handler():
             self._c_loop(0, self.p.warmup, None)
             self._c_loop(0, self.p.iters, None)
             return
@@ -561,7 +562,7 @@ class AmLat(_AmBase):
         self.sbuf, self.rbuf = self.buffer(1), self.buffer()
         self._setup()
         rtt = numpy.zeros(self.p.iters, numpy.uint64)
-        if self._in_c():
+        if not self._by_handler():
             self._c_loop(1, self.p.warmup, None)
             self._c_loop(1, self.p.iters, rtt)
             return lat_figures(self.p.size, rtt / 2)
@@ -583,12 +584,6 @@ class AmBw(_AmBase):
     kind = "bw"
     perftest = "ucp_am_bw"
     latency_note = "time per message"
-
-    def _by_handler(self) -> bool:
-        """Whether this side receives through a handler and ``receive_into``
-        (device memory, and ``--api python``: the public API's per-message
-        receive) rather than posted receives matched in C."""
-        return self.mem == "cuda" or self.p.api == "python"
 
     def prepare(self) -> dict:
         self.rbuf = self.buffer()
