@@ -358,18 +358,31 @@ static ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
     return slot->status;
 }
 
+/* What gpucx_wait_due returns when it stopped because Python has work due
+ * (gpucx_due), the slot still in progress.  Not a UCX status, nor
+ * GPUCX_PEER_EXITED. */
+#define GPUCX_WAIT_DUE 3
+
+static ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w,
+                                   gpucx_slot_t *slot, uint64_t spin_ns);
+
 /* The tail of every fused post-and-wait helper (gpucx_*_wait): a post
  * that finished at once returns its status, one in flight is progressed
- * for up to spin_ns (gpucx_wait). */
-static inline ucs_status_t gpucx__wait_posted(ucp_worker_h worker,
+ * for up to spin_ns, or until Python has work due (gpucx_wait_due, in
+ * am.c): then it returns UCS_INPROGRESS, and Python's wait (request.block)
+ * runs the handlers and goes on. */
+static inline ucs_status_t gpucx__wait_posted(gpucx_worker_state_t *ws,
                                               gpucx_slot_t *slot,
                                               ucs_status_t posted,
                                               uint64_t spin_ns)
 {
+    ucs_status_t st;
+
     if (posted != UCS_INPROGRESS) {
         return slot->status;
     }
-    return gpucx_wait(worker, slot, spin_ns);
+    st = gpucx_wait_due(ws, slot, spin_ns);
+    return st == (ucs_status_t)GPUCX_WAIT_DUE ? UCS_INPROGRESS : st;
 }
 
 /* What gpucx_wait_sleep returns (and, negated, gpucx_worker_sleep) when

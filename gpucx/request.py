@@ -56,6 +56,7 @@ _SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 _SLICE_MS = 100
 #: What the C sleeps report when a watched local peer's pidfd woke them.
 _PEER_EXITED = lib.GPUCX_PEER_EXITED
+_WAIT_DUE = lib.GPUCX_WAIT_DUE
 #: How long a canceled operation may take to report back when its worker
 #: closes.
 _DRAIN_S = 5.0
@@ -127,9 +128,25 @@ def block(
         # blocking calls of its own: they get a fresh shared slot, this one
         # stays with the operation it belongs to.
         worker._sslot = new_slot()
+    state = worker._state
+    # The spin stops for Python's work as it arrives (gpucx_wait_due): the
+    # handlers of active messages run then, not once the operation is done
+    # or the spin is over.  Not while that work stays due after the hook
+    # ran (this wait is inside a handler: dispatch does not nest).
+    due = True
     try:
         while True:
-            st = lib.gpucx_wait(h, slot, worker._spin_ns)
+            if due:
+                st = lib.gpucx_wait_due(state, slot, worker._spin_ns)
+                if st == _WAIT_DUE:
+                    worker._poll_events()
+                    if lib.gpucx_due(state):
+                        due = False
+                    elif deadline is None or time.monotonic() < deadline:
+                        continue
+                    st = INPROGRESS  # the slice below raises the timeout
+            else:
+                st = lib.gpucx_wait(h, slot, worker._spin_ns)
             if st != INPROGRESS:
                 return st
             worker._poll_events()

@@ -13,6 +13,8 @@ import pytest
 import gpucx
 from gpucx.request import wait_closing, wait_for
 
+from conftest import Pair
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -85,3 +87,144 @@ def test_wait_closing_progresses_the_others_and_keeps_its_end(pair):
     t0 = time.monotonic()
     assert not wait_closing(pair.b, lambda: False, time.monotonic() + 0.1)
     assert 0.09 < time.monotonic() - t0 < 5
+
+
+# -- a blocking wait runs handlers as their messages arrive -----------------------
+
+#: A spin longer than any test here: a wait that ran handlers only once the
+#: spin is over would run them too late for the test's peer.
+_LONG_SPIN = {"GPUCX_SPIN_US": 40e6}
+
+
+def _peer_thread(pair, body):
+    """Run ``body(stop)`` on a thread that alone uses worker ``a`` (its
+    endpoint ``pair.ab``); the returned join also re-raises its error."""
+    stop = threading.Event()
+    errors: list = []
+
+    def run():
+        try:
+            body(stop)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def join():
+        stop.set()
+        t.join(20)
+        assert not t.is_alive(), "the peer thread hung"
+        if errors:
+            raise errors[0]
+
+    return join
+
+
+def _settle(req, end):
+    while not req.done():
+        if time.monotonic() > end:
+            raise AssertionError("the peer's operation did not finish")
+
+
+@pytest.mark.parametrize(
+    "receive",
+    [
+        lambda w, buf: w.recv_nb(buf, tag=9).wait(15),
+        lambda w, buf: w.recv(buf, tag=9),  # posted and spun in one C call
+    ],
+    ids=["request-wait", "blocking-call"],
+)
+def test_a_wait_runs_a_handler_before_its_own_operation_completes(receive):
+    # b waits for tag 9, which a sends only once b's handler has run for a
+    # message a sent first: the wait must run the handler while it spins
+    # (a spin of 40 s, past the test's timeout).
+    with gpucx.Context(config=_LONG_SPIN) as ctx:
+        pair = Pair(ctx)
+        ran = threading.Event()
+        pair.b.set_am_handler(4, lambda msg: ran.set())
+
+        def peer(stop):
+            end = time.monotonic() + 15
+            _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
+            while not ran.is_set():
+                pair.a.progress()
+                if stop.is_set() or time.monotonic() > end:
+                    return
+            _settle(pair.ab.send_nb(np.full(8, 3, np.uint8), tag=9), end)
+
+        buf = np.zeros(8, np.uint8)
+        join = _peer_thread(pair, peer)
+        t0 = time.monotonic()
+        try:
+            receive(pair.b, buf)
+        finally:
+            join()
+        assert ran.is_set() and (buf == 3).all()
+        assert time.monotonic() - t0 < 10
+
+
+def test_a_wait_inside_a_handler_waits_without_running_the_next_ones():
+    # Handlers do not nest: while the first one waits, the second message is
+    # due but stays queued; the wait goes on in C (no Python loop on the
+    # queue) and completes, then the second handler runs.
+    with gpucx.Context(config=_LONG_SPIN) as ctx:
+        pair = Pair(ctx)
+        order: list = []
+        got = np.zeros(8, np.uint8)
+
+        def handler(msg):
+            order.append(("start", msg.header))
+            if msg.header == b"first":
+                pair.b.recv_nb(got, tag=9).wait(15)
+            order.append(("end", msg.header))
+
+        pair.b.set_am_handler(4, handler)
+
+        def peer(stop):
+            end = time.monotonic() + 15
+            for h in (b"first", b"second"):
+                _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8), header=h), end)
+            time.sleep(0.3)  # the second message is queued meanwhile
+            _settle(pair.ab.send_nb(np.full(8, 7, np.uint8), tag=9), end)
+
+        join = _peer_thread(pair, peer)
+        try:
+            wait_for(pair.b, lambda: len(order) == 4, 15, "the two handlers")
+        finally:
+            join()
+        assert order == [
+            ("start", b"first"),
+            ("end", b"first"),
+            ("start", b"second"),
+            ("end", b"second"),
+        ]
+        assert (got == 7).all()
+
+
+def test_a_wait_keeps_its_deadline_while_messages_stream_in():
+    # Messages arrive all the time, each stopping the spin for its handler:
+    # the wait still ends at its timeout, canceled.
+    with gpucx.Context(config=_LONG_SPIN) as ctx:
+        pair = Pair(ctx)
+        seen = []
+        pair.b.set_am_handler(4, lambda msg: seen.append(1))
+
+        def peer(stop):
+            while not stop.is_set():
+                _settle(
+                    pair.ab.am_send_nb(4, np.ones(8, np.uint8)), time.monotonic() + 15
+                )
+
+        join = _peer_thread(pair, peer)
+        t0 = time.monotonic()
+        req = pair.b.recv_nb(np.zeros(8, np.uint8), tag=9)
+        try:
+            with pytest.raises(gpucx.TimeoutError):
+                req.wait(0.5)
+            took = time.monotonic() - t0
+        finally:
+            join()
+        assert 0.45 < took < 10
+        assert len(seen) > 10
+        assert req.done() and isinstance(req.exception(), gpucx.CanceledError)

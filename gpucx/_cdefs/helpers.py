@@ -102,11 +102,11 @@ ucs_status_t gpucx_tag_recv(ucp_worker_h worker, void *buf, size_t len,
 ucs_status_t gpucx_tag_recv_iov(ucp_worker_h worker, ucp_dt_iov_t *iov,
                                 size_t count, uint64_t tag, uint64_t mask,
                                 int memory_type, gpucx_slot_t *slot);
-ucs_status_t gpucx_tag_send_wait(ucp_worker_h worker, ucp_ep_h ep,
+ucs_status_t gpucx_tag_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                  const void *buf, size_t len, uint64_t tag,
                                  int memory_type, gpucx_slot_t *slot,
                                  uint64_t spin_ns);
-ucs_status_t gpucx_tag_recv_wait(ucp_worker_h worker, void *buf, size_t len,
+ucs_status_t gpucx_tag_recv_wait(gpucx_worker_state_t *ws, void *buf, size_t len,
                                  uint64_t tag, uint64_t mask, int memory_type,
                                  gpucx_slot_t *slot, uint64_t spin_ns);
 int gpucx_tag_probe(ucp_worker_h worker, uint64_t tag, uint64_t mask,

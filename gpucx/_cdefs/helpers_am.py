@@ -58,6 +58,9 @@ void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
 int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
 unsigned gpucx_progress(gpucx_worker_state_t *w);
 unsigned gpucx_due(const gpucx_worker_state_t *w);
+#define GPUCX_WAIT_DUE 3
+ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w, gpucx_slot_t *slot,
+                            uint64_t spin_ns);
 void gpucx_progress_watch(gpucx_worker_state_t *w, gpucx_am_state_t *am,
                           const gpucx_qstat_t *notify);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
@@ -67,7 +70,7 @@ size_t gpucx_am_max_header(ucp_worker_h worker);
 ucs_status_t gpucx_am_send(ucp_ep_h ep, unsigned id, const void *header,
                            size_t header_length, const void *buf, size_t len,
                            int memory_type, unsigned flags, gpucx_slot_t *slot);
-ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
+ucs_status_t gpucx_am_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, unsigned id,
                                 const void *header, size_t header_length,
                                 const void *buf, size_t len, int memory_type,
                                 unsigned flags, gpucx_slot_t *slot,
@@ -81,7 +84,7 @@ ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,
                                  size_t n);
 void gpucx_am_unpost_all(gpucx_am_reg_t *reg);
 void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep);
-ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,
+ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws, gpucx_am_reg_t *reg,
                                 void *buf, size_t len, gpucx_slot_t *slot,
                                 uint64_t spin_ns);
 unsigned gpucx_am_kept(gpucx_am_reg_t *reg);

@@ -9,7 +9,7 @@ typedef struct gpucx_am_item {
 """
 
 FUNCTIONS = """
-ucs_status_t gpucx_am_batch_run(ucp_worker_h worker, ucp_ep_h ep, unsigned id,
+ucs_status_t gpucx_am_batch_run(gpucx_worker_state_t *ws, ucp_ep_h ep, unsigned id,
                                 const void *header, size_t header_length,
                                 const gpucx_am_item_t *items, size_t count,
                                 unsigned flags, gpucx_notify_op_t *op,

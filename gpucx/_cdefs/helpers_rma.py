@@ -46,11 +46,11 @@ ucs_status_t gpucx_put(ucp_ep_h ep, const void *buf, size_t len, uint64_t raddr,
                        ucp_rkey_h rkey, int memory_type, gpucx_slot_t *slot);
 ucs_status_t gpucx_get(ucp_ep_h ep, void *buf, size_t len, uint64_t raddr,
                        ucp_rkey_h rkey, int memory_type, gpucx_slot_t *slot);
-ucs_status_t gpucx_put_wait(ucp_worker_h worker, ucp_ep_h ep, const void *buf,
+ucs_status_t gpucx_put_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, const void *buf,
                             size_t len, uint64_t raddr, ucp_rkey_h rkey,
                             int memory_type, gpucx_slot_t *slot,
                             uint64_t spin_ns);
-ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
+ucs_status_t gpucx_get_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, void *buf,
                             size_t len, uint64_t raddr, ucp_rkey_h rkey,
                             int memory_type, gpucx_slot_t *slot,
                             uint64_t spin_ns);
@@ -58,7 +58,7 @@ ucs_status_t gpucx_put_notify(ucp_ep_h ep, const void *buf, size_t len,
                               uint64_t raddr, ucp_rkey_h rkey, int memory_type,
                               const void *notify, size_t notify_len,
                               gpucx_notify_op_t *op);
-ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep, int is_get,
+ucs_status_t gpucx_xfer_run(gpucx_worker_state_t *ws, ucp_ep_h ep, int is_get,
                             const gpucx_xfer_item_t *items, size_t count,
                             int do_notify, const void *notify,
                             size_t notify_len, gpucx_notify_op_t *op,

@@ -651,11 +651,11 @@ static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                                   gpucx_slot_t *slot);
 
 /* Blocking receive: post, then progress until done or spin_ns pass. */
-static ucs_status_t gpucx_am_recv_wait(ucp_worker_h worker, gpucx_am_reg_t *reg,
+static ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws, gpucx_am_reg_t *reg,
                                        void *buf, size_t len,
                                        gpucx_slot_t *slot, uint64_t spin_ns)
 {
-    return gpucx__wait_posted(worker, slot, gpucx_am_post(reg, buf, len, slot),
+    return gpucx__wait_posted(ws, slot, gpucx_am_post(reg, buf, len, slot),
                               spin_ns);
 }
 
@@ -1075,6 +1075,40 @@ static unsigned gpucx_progress(gpucx_worker_state_t *w)
     return total | gpucx_due(w);
 }
 
+/* gpucx_wait that also stops when Python has work due (messages for
+ * handlers, notifications, drops): a blocking wait then runs the handlers
+ * before it goes on, as the messages arrive, not once the operation is
+ * done or the spin is over.  A handler's rendezvous receive (AmMessage.
+ * receive_into) is posted that much sooner; in a pipeline the next
+ * message's transfer starts while this one's completes.  Returns the
+ * slot's status, or GPUCX_WAIT_DUE (the slot still in progress). */
+static ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w,
+                                   gpucx_slot_t *slot, uint64_t spin_ns)
+{
+    uint64_t deadline = 0;
+    unsigned n        = 0;
+
+    while (slot->status == UCS_INPROGRESS) {
+        ucp_worker_progress(w->worker);
+        if (gpucx_due(w) != 0) {
+            if (slot->status != UCS_INPROGRESS) {
+                break;
+            }
+            return (ucs_status_t)GPUCX_WAIT_DUE;
+        }
+        if ((++n & 63) == 0) {
+            uint64_t now = gpucx__now_ns();
+            if (deadline == 0) {
+                deadline = now + spin_ns;
+            } else if (now >= deadline) {
+                break;
+            }
+        }
+    }
+    gpucx__release(slot);
+    return slot->status;
+}
+
 /* Point gpucx_progress at the worker's AM state and, while a notification
  * handler is set, its notification counters (NULL otherwise). */
 static void gpucx_progress_watch(gpucx_worker_state_t *w,
@@ -1173,7 +1207,7 @@ static ucs_status_t gpucx_am_send(ucp_ep_h ep, unsigned id, const void *header,
                                                buf, len, &p));
 }
 
-static ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_am_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                        unsigned id, const void *header,
                                        size_t header_length, const void *buf,
                                        size_t len, int memory_type,
@@ -1183,7 +1217,7 @@ static ucs_status_t gpucx_am_send_wait(ucp_worker_h worker, ucp_ep_h ep,
     ucs_status_t st = gpucx_am_send(ep, id, header, header_length, buf, len,
                                     memory_type, flags, slot);
 
-    return gpucx__wait_posted(worker, slot, st, spin_ns);
+    return gpucx__wait_posted(ws, slot, st, spin_ns);
 }
 
 static void gpucx__am_recv_data_cb(void *request, ucs_status_t status,

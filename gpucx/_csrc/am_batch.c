@@ -61,7 +61,7 @@ static ucs_status_t gpucx_am_batch_post(ucp_ep_h ep, unsigned id,
 }
 
 /* Post, then (spin_ns > 0) progress until done or spin_ns pass. */
-static ucs_status_t gpucx_am_batch_run(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_am_batch_run(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                        unsigned id, const void *header,
                                        size_t header_length,
                                        const gpucx_am_item_t *items,
@@ -71,6 +71,6 @@ static ucs_status_t gpucx_am_batch_run(ucp_worker_h worker, ucp_ep_h ep,
     ucs_status_t st = gpucx_am_batch_post(ep, id, header, header_length,
                                           items, count, flags, op);
 
-    return spin_ns ? gpucx__wait_posted(worker, &op->slot, st, spin_ns)
+    return spin_ns ? gpucx__wait_posted(ws, &op->slot, st, spin_ns)
                    : op->slot.status;
 }

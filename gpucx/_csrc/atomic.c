@@ -626,11 +626,11 @@ static ucs_status_t gpucx_atomic_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                       uint64_t size, gpucx_amo_t *amo,
                                       uint64_t spin_ns)
 {
-    if (gpucx_atomic(ws, ep, emulate, opcode, fetch, operand, swap, nbytes,
-                     raddr, rkey, base, size, amo) != UCS_INPROGRESS) {
-        return amo->slot.status;
-    }
-    return gpucx_wait(ws->worker, &amo->slot, spin_ns);
+    return gpucx__wait_posted(ws, &amo->slot,
+                              gpucx_atomic(ws, ep, emulate, opcode, fetch,
+                                           operand, swap, nbytes, raddr, rkey,
+                                           base, size, amo),
+                              spin_ns);
 }
 
 static uint64_t gpucx_amo_result(const gpucx_amo_t *amo, size_t nbytes)

@@ -142,23 +142,23 @@ static ucs_status_t gpucx_get(ucp_ep_h ep, void *buf, size_t len,
 }
 
 /* Blocking API: post and progress in one crossing. */
-static ucs_status_t gpucx_put_wait(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_put_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                    const void *buf, size_t len, uint64_t raddr,
                                    ucp_rkey_h rkey, int memory_type,
                                    gpucx_slot_t *slot, uint64_t spin_ns)
 {
     return gpucx__wait_posted(
-        worker, slot, gpucx_put(ep, buf, len, raddr, rkey, memory_type, slot),
+        ws, slot, gpucx_put(ep, buf, len, raddr, rkey, memory_type, slot),
         spin_ns);
 }
 
-static ucs_status_t gpucx_get_wait(ucp_worker_h worker, ucp_ep_h ep, void *buf,
+static ucs_status_t gpucx_get_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, void *buf,
                                    size_t len, uint64_t raddr, ucp_rkey_h rkey,
                                    int memory_type, gpucx_slot_t *slot,
                                    uint64_t spin_ns)
 {
     return gpucx__wait_posted(
-        worker, slot, gpucx_get(ep, buf, len, raddr, rkey, memory_type, slot),
+        ws, slot, gpucx_get(ep, buf, len, raddr, rkey, memory_type, slot),
         spin_ns);
 }
 
@@ -364,7 +364,7 @@ static ucs_status_t gpucx_xfer_post(ucp_ep_h ep, int is_get,
 }
 
 /* Post, then (spin_ns > 0) progress until done or spin_ns pass. */
-static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_xfer_run(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                    int is_get, const gpucx_xfer_item_t *items,
                                    size_t count, int do_notify,
                                    const void *notify, size_t notify_len,
@@ -373,7 +373,7 @@ static ucs_status_t gpucx_xfer_run(ucp_worker_h worker, ucp_ep_h ep,
     ucs_status_t st = gpucx_xfer_post(ep, is_get, items, count, do_notify,
                                       notify, notify_len, op);
 
-    return spin_ns ? gpucx__wait_posted(worker, &op->slot, st, spin_ns)
+    return spin_ns ? gpucx__wait_posted(ws, &op->slot, st, spin_ns)
                    : op->slot.status;
 }
 

@@ -38,22 +38,22 @@ static ucs_status_t gpucx_stream_recv(ucp_ep_h ep, void *buf, size_t len,
     return gpucx__posted(slot, r);
 }
 
-static ucs_status_t gpucx_stream_send_wait(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_stream_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                            const void *buf, size_t len,
                                            int memory_type, gpucx_slot_t *slot,
                                            uint64_t spin_ns)
 {
     return gpucx__wait_posted(
-        worker, slot, gpucx_stream_send(ep, buf, len, memory_type, slot),
+        ws, slot, gpucx_stream_send(ep, buf, len, memory_type, slot),
         spin_ns);
 }
 
-static ucs_status_t gpucx_stream_recv_wait(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_stream_recv_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                            void *buf, size_t len,
                                            int memory_type, gpucx_slot_t *slot,
                                            uint64_t spin_ns)
 {
     return gpucx__wait_posted(
-        worker, slot, gpucx_stream_recv(ep, buf, len, memory_type, slot),
+        ws, slot, gpucx_stream_recv(ep, buf, len, memory_type, slot),
         spin_ns);
 }

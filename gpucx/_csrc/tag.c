@@ -63,24 +63,24 @@ static ucs_status_t gpucx_tag_recv_iov(ucp_worker_h worker, ucp_dt_iov_t *iov,
 }
 
 /* Blocking API: post and progress in one crossing. */
-static ucs_status_t gpucx_tag_send_wait(ucp_worker_h worker, ucp_ep_h ep,
+static ucs_status_t gpucx_tag_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
                                         const void *buf, size_t len,
                                         uint64_t tag, int memory_type,
                                         gpucx_slot_t *slot, uint64_t spin_ns)
 {
     return gpucx__wait_posted(
-        worker, slot, gpucx_tag_send(ep, buf, len, tag, memory_type, 0, slot),
+        ws, slot, gpucx_tag_send(ep, buf, len, tag, memory_type, 0, slot),
         spin_ns);
 }
 
-static ucs_status_t gpucx_tag_recv_wait(ucp_worker_h worker, void *buf,
+static ucs_status_t gpucx_tag_recv_wait(gpucx_worker_state_t *ws, void *buf,
                                         size_t len, uint64_t tag, uint64_t mask,
                                         int memory_type, gpucx_slot_t *slot,
                                         uint64_t spin_ns)
 {
-    ucs_status_t st = gpucx_tag_recv(worker, buf, len, tag, mask, memory_type, slot);
+    ucs_status_t st = gpucx_tag_recv(ws->worker, buf, len, tag, mask, memory_type, slot);
 
-    return gpucx__wait_posted(worker, slot, st, spin_ns);
+    return gpucx__wait_posted(ws, slot, st, spin_ns);
 }
 
 /* Probe: returns 1 and fills info when a matching message is there.  With

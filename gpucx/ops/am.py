@@ -865,13 +865,13 @@ def am_send(
     if mt == _HOST and stream is None:
         slot = new_slot() if w._multi else w._sslot
         st = lib.gpucx_am_send_wait(
-            w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+            w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
         )
     else:
         with _cuda.door(w, ptr, mt, stream, _SEND):
             slot = new_slot() if w._multi else w._sslot
             st = lib.gpucx_am_send_wait(
-                w._h, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+                w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
             )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
@@ -1024,7 +1024,7 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     """
     reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
     slot = _new_slot() if worker._multi else worker._sslot
-    st = lib.gpucx_am_recv_wait(worker._h, reg, ptr, n, slot, worker._spin_ns)
+    st = lib.gpucx_am_recv_wait(worker._state, reg, ptr, n, slot, worker._spin_ns)
     if st == _INPROGRESS:
         st = block(worker, slot, timeout, keep)
     if st != _OK:

@@ -173,7 +173,7 @@ class AmBatch(Prepared):
         op = ffi.new(_OP)
         hdr, hn = self._header
         st = lib.gpucx_am_batch_run(
-            w._h,
+            w._state,
             h,
             self.am_id,
             hdr,

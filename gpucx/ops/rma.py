@@ -277,11 +277,11 @@ def _post_wait(
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
-        st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+        st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     else:
         with _cuda.door(w, ptr, mt, stream, what):
             slot = _sync_slot(w)
-            st = post(w._h, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+            st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if st:
         finish(w, slot, st, timeout, what, ep, (keep, rkey))
 
@@ -487,7 +487,7 @@ class Transfer(Prepared):
     def _run(self, w, h, notify, note, spin_ns: int):
         op = ffi.new(_OP)
         st = lib.gpucx_xfer_run(
-            w._h,
+            w._state,
             h,
             self._is_get,
             self._items,

@@ -103,7 +103,7 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
         mt,
         stream,
         _SEND,
-        lambda s: lib.gpucx_stream_send_wait(w._h, h, ptr, n, mt, s, w._spin_ns),
+        lambda s: lib.gpucx_stream_send_wait(w._state, h, ptr, n, mt, s, w._spin_ns),
     )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
@@ -174,7 +174,7 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
 def _recv(w, h, ptr, n: int, mt: int, timeout, keep, slot) -> int:
     """Post a stream receive into ``slot`` and wait for it; its status."""
     if timeout is None:
-        st = lib.gpucx_stream_recv_wait(w._h, h, ptr, n, mt, slot, w._spin_ns)
+        st = lib.gpucx_stream_recv_wait(w._state, h, ptr, n, mt, slot, w._spin_ns)
     else:
         st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
     if st == INPROGRESS:

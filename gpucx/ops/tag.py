@@ -124,7 +124,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     if mt == _HOST and stream is None:  # inlined: the small-message path
         slot = new_slot() if w._multi else w._sslot
         try:
-            st = lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
+            st = lib.gpucx_tag_send_wait(w._state, h, ptr, n, tag, mt, slot, w._spin_ns)
         except (OverflowError, TypeError):
             raise _bad_tag(tag) from None
     else:
@@ -138,7 +138,9 @@ def _send(w, h, ptr, n: int, tag, mt: int):
     """Post a blocking tag send (the device path of :func:`send`)."""
     slot = new_slot() if w._multi else w._sslot
     try:
-        return slot, lib.gpucx_tag_send_wait(w._h, h, ptr, n, tag, mt, slot, w._spin_ns)
+        return slot, lib.gpucx_tag_send_wait(
+            w._state, h, ptr, n, tag, mt, slot, w._spin_ns
+        )
     except (OverflowError, TypeError):
         raise _bad_tag(tag) from None
 
@@ -257,7 +259,7 @@ def recv(
         try:
             if timeout is None:
                 st = lib.gpucx_tag_recv_wait(
-                    h, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+                    worker._state, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
                 )
             else:
                 st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
@@ -281,7 +283,7 @@ def _recv(worker, h, ptr, n: int, tag, tag_mask, mt: int, timeout):
     try:
         if timeout is None:
             st = lib.gpucx_tag_recv_wait(
-                h, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+                worker._state, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
             )
         else:
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
