@@ -595,41 +595,54 @@ class AmBw(_AmBase):
             # before the client may send.
             self.posted = self._post(self.p.warmup)
         else:
-            self._inbox()
+            self._handle_in()
         return {}
+
+    def _handle_in(self) -> None:
+        """The handler of the receiving side: every payload (``--api
+        python``, as a program receives) or, for device memory under the C
+        loop, every rendezvous payload (eager ones are dropped unread, as
+        ``ucx_perftest``'s handler drops them) is received into the buffer
+        with ``receive_into``, posted in the handler as ``ucx_perftest``'s
+        handler posts its receive; ``_serve_handler`` waits for them in
+        order.  Set before the client may send."""
+        every = self.p.api == "python"
+        pending: collections.deque = collections.deque()
+        self.pending, self.arrived = pending, 0
+        rbuf = self.rbuf
+
+        def handler(msg) -> None:
+            self.arrived += 1
+            if every or msg.is_rndv:
+                pending.append(msg.receive_into(rbuf))
+
+        self.s.worker.set_am_handler(AM_ID, handler)
 
     def _post(self, n: int) -> list:
         return [self.s.worker.am_recv_many_nb(AM_ID, [self.rbuf] * n)] if n else []
 
     def _serve_handler(self) -> None:
-        """Each message through the handler, a rendezvous payload received
-        with ``receive_into``, up to ``window`` receives in flight
-        (``ucx_perftest``'s handler posts its receive and returns; one
-        receive at a time would add a copy's latency to every message, the
-        device copy's most of all).  ``--api python`` receives every payload,
-        as a program does; device memory under the C loop receives only
-        rendezvous payloads and drops eager ones unread, as
-        ``ucx_perftest``'s handler does."""
-        every = self.p.api == "python"
-        window = max(1, self.p.window)
+        """Each phase's messages through the handler (``_handle_in``):
+        ``Request.wait`` on the oldest receive, which runs the handler as
+        the next messages arrive (their receives start while this one
+        completes), a busy-polled ``progress()`` while none is pending."""
+        worker, t, pending = self.s.worker, self.p.timeout, self.pending
         what = f"bench {self.name}: no active message"
-        worker, t, inbox, rbuf = self.s.worker, self.p.timeout, self.inbox, self.rbuf
         for n in (self.p.warmup, self.p.iters):
-            pending: collections.deque = collections.deque()
-            left = n
-            while left:
-                if not inbox:
-                    wait_for(worker, lambda: inbox, t, what, poll=True)
-                # Every message already delivered, before progressing again.
-                while inbox and left:
-                    msg = inbox.popleft()
-                    left -= 1
-                    if every or msg.is_rndv:
-                        if len(pending) >= window:
-                            spin_wait(self.s, pending.popleft(), t)
-                        pending.append(msg.receive_into(rbuf))
-            for req in pending:
-                spin_wait(self.s, req, t)
+            while self.arrived < n or pending:
+                if pending:
+                    pending.popleft().wait(t)
+                else:
+                    wait_for(
+                        worker,
+                        lambda: pending or self.arrived >= n,  # noqa: B023
+                        t,
+                        what,
+                        poll=True,
+                    )
+            # Less this phase's count, not zero: the next phase's first
+            # messages may arrive while the acknowledgement is sent.
+            self.arrived -= n
             self.ack_send()
 
     def serve(self) -> None:
