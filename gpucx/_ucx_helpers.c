@@ -335,16 +335,30 @@ static inline void gpucx__param_init(ucp_request_param_t *p, gpucx_slot_t *slot,
 
 /* ---- progress and waiting ---------------------------------------------- */
 
-/* Progress until the slot completes or spin_ns pass; frees the UCX request
- * when complete.  Returns the slot status (UCS_INPROGRESS if still pending). */
-static ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
-                               uint64_t spin_ns)
+/* What gpucx_wait_due returns when it stopped because Python has work due
+ * (gpucx_due), the slot still in progress.  Not a UCX status, nor
+ * GPUCX_PEER_EXITED. */
+#define GPUCX_WAIT_DUE 3
+
+static unsigned gpucx_due(const gpucx_worker_state_t *w); /* am.c */
+
+/* Progress until the slot completes or spin_ns pass, or (due not NULL)
+ * until Python has work due on that worker state (GPUCX_WAIT_DUE); frees
+ * the UCX request when complete.  Returns the slot status (UCS_INPROGRESS
+ * if still pending). */
+static inline ucs_status_t gpucx__spin(ucp_worker_h worker,
+                                       const gpucx_worker_state_t *due,
+                                       gpucx_slot_t *slot, uint64_t spin_ns)
 {
     uint64_t deadline = 0;
     unsigned n        = 0;
 
     while (slot->status == UCS_INPROGRESS) {
         ucp_worker_progress(worker);
+        if (due != NULL && slot->status == UCS_INPROGRESS &&
+            gpucx_due(due) != 0) {
+            return (ucs_status_t)GPUCX_WAIT_DUE;
+        }
         if ((++n & 63) == 0) {
             uint64_t now = gpucx__now_ns();
             if (deadline == 0) {
@@ -358,18 +372,29 @@ static ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
     return slot->status;
 }
 
-/* What gpucx_wait_due returns when it stopped because Python has work due
- * (gpucx_due), the slot still in progress.  Not a UCX status, nor
- * GPUCX_PEER_EXITED. */
-#define GPUCX_WAIT_DUE 3
+/* Progress until the slot completes or spin_ns pass (gpucx__spin). */
+static ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
+                               uint64_t spin_ns)
+{
+    return gpucx__spin(worker, NULL, slot, spin_ns);
+}
 
+/* gpucx_wait that also stops when Python has work due (messages for
+ * handlers, notifications, drops): a blocking wait then runs the handlers
+ * before it goes on, as the messages arrive, not once the operation is
+ * done or the spin is over.  A handler's rendezvous receive (AmMessage.
+ * receive_into) is posted that much sooner.  Returns the slot's status,
+ * or GPUCX_WAIT_DUE (the slot still in progress). */
 static ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w,
-                                   gpucx_slot_t *slot, uint64_t spin_ns);
+                                   gpucx_slot_t *slot, uint64_t spin_ns)
+{
+    return gpucx__spin(w->worker, w, slot, spin_ns);
+}
 
 /* The tail of every fused post-and-wait helper (gpucx_*_wait): a post
  * that finished at once returns its status, one in flight is progressed
- * for up to spin_ns, or until Python has work due (gpucx_wait_due, in
- * am.c): then it returns UCS_INPROGRESS, and Python's wait (request.block)
+ * for up to spin_ns, or until Python has work due (gpucx_wait_due):
+ * then it returns UCS_INPROGRESS, and Python's wait (request.block)
  * runs the handlers and goes on. */
 static inline ucs_status_t gpucx__wait_posted(gpucx_worker_state_t *ws,
                                               gpucx_slot_t *slot,

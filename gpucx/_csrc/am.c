@@ -1075,40 +1075,6 @@ static unsigned gpucx_progress(gpucx_worker_state_t *w)
     return total | gpucx_due(w);
 }
 
-/* gpucx_wait that also stops when Python has work due (messages for
- * handlers, notifications, drops): a blocking wait then runs the handlers
- * before it goes on, as the messages arrive, not once the operation is
- * done or the spin is over.  A handler's rendezvous receive (AmMessage.
- * receive_into) is posted that much sooner; in a pipeline the next
- * message's transfer starts while this one's completes.  Returns the
- * slot's status, or GPUCX_WAIT_DUE (the slot still in progress). */
-static ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w,
-                                   gpucx_slot_t *slot, uint64_t spin_ns)
-{
-    uint64_t deadline = 0;
-    unsigned n        = 0;
-
-    while (slot->status == UCS_INPROGRESS) {
-        ucp_worker_progress(w->worker);
-        if (gpucx_due(w) != 0) {
-            if (slot->status != UCS_INPROGRESS) {
-                break;
-            }
-            return (ucs_status_t)GPUCX_WAIT_DUE;
-        }
-        if ((++n & 63) == 0) {
-            uint64_t now = gpucx__now_ns();
-            if (deadline == 0) {
-                deadline = now + spin_ns;
-            } else if (now >= deadline) {
-                break;
-            }
-        }
-    }
-    gpucx__release(slot);
-    return slot->status;
-}
-
 /* Point gpucx_progress at the worker's AM state and, while a notification
  * handler is set, its notification counters (NULL otherwise). */
 static void gpucx_progress_watch(gpucx_worker_state_t *w,
