@@ -142,7 +142,7 @@ def block(
                     worker._poll_events()
                     if lib.gpucx_due(state):
                         due = False
-                    elif deadline is None or time.monotonic() < deadline:
+                    if deadline is None or time.monotonic() < deadline:
                         continue
                     st = INPROGRESS  # the slice below raises the timeout
             else:
