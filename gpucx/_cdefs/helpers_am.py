@@ -58,9 +58,6 @@ void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
 int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
 unsigned gpucx_progress(gpucx_worker_state_t *w);
 unsigned gpucx_due(const gpucx_worker_state_t *w);
-#define GPUCX_WAIT_DUE 3
-ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w, gpucx_slot_t *slot,
-                            uint64_t spin_ns);
 void gpucx_progress_watch(gpucx_worker_state_t *w, gpucx_am_state_t *am,
                           const gpucx_qstat_t *notify);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);

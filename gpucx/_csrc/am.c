@@ -651,9 +651,10 @@ static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                                   gpucx_slot_t *slot);
 
 /* Blocking receive: post, then progress until done or spin_ns pass. */
-static ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws, gpucx_am_reg_t *reg,
-                                       void *buf, size_t len,
-                                       gpucx_slot_t *slot, uint64_t spin_ns)
+static ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws,
+                                       gpucx_am_reg_t *reg, void *buf,
+                                       size_t len, gpucx_slot_t *slot,
+                                       uint64_t spin_ns)
 {
     return gpucx__wait_posted(ws, slot, gpucx_am_post(reg, buf, len, slot),
                               spin_ns);

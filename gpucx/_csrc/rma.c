@@ -152,10 +152,10 @@ static ucs_status_t gpucx_put_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
         spin_ns);
 }
 
-static ucs_status_t gpucx_get_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, void *buf,
-                                   size_t len, uint64_t raddr, ucp_rkey_h rkey,
-                                   int memory_type, gpucx_slot_t *slot,
-                                   uint64_t spin_ns)
+static ucs_status_t gpucx_get_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
+                                   void *buf, size_t len, uint64_t raddr,
+                                   ucp_rkey_h rkey, int memory_type,
+                                   gpucx_slot_t *slot, uint64_t spin_ns)
 {
     return gpucx__wait_posted(
         ws, slot, gpucx_get(ep, buf, len, raddr, rkey, memory_type, slot),

@@ -38,18 +38,18 @@ static ucs_status_t gpucx_stream_recv(ucp_ep_h ep, void *buf, size_t len,
     return gpucx__posted(slot, r);
 }
 
-static ucs_status_t gpucx_stream_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
-                                           const void *buf, size_t len,
-                                           int memory_type, gpucx_slot_t *slot,
-                                           uint64_t spin_ns)
+static ucs_status_t gpucx_stream_send_wait(gpucx_worker_state_t *ws,
+                                           ucp_ep_h ep, const void *buf,
+                                           size_t len, int memory_type,
+                                           gpucx_slot_t *slot, uint64_t spin_ns)
 {
     return gpucx__wait_posted(
         ws, slot, gpucx_stream_send(ep, buf, len, memory_type, slot),
         spin_ns);
 }
 
-static ucs_status_t gpucx_stream_recv_wait(gpucx_worker_state_t *ws, ucp_ep_h ep,
-                                           void *buf, size_t len,
+static ucs_status_t gpucx_stream_recv_wait(gpucx_worker_state_t *ws,
+                                           ucp_ep_h ep, void *buf, size_t len,
                                            int memory_type, gpucx_slot_t *slot,
                                            uint64_t spin_ns)
 {

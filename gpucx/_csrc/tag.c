@@ -78,7 +78,8 @@ static ucs_status_t gpucx_tag_recv_wait(gpucx_worker_state_t *ws, void *buf,
                                         int memory_type, gpucx_slot_t *slot,
                                         uint64_t spin_ns)
 {
-    ucs_status_t st = gpucx_tag_recv(ws->worker, buf, len, tag, mask, memory_type, slot);
+    ucs_status_t st = gpucx_tag_recv(ws->worker, buf, len, tag, mask,
+                                     memory_type, slot);
 
     return gpucx__wait_posted(ws, slot, st, spin_ns);
 }
