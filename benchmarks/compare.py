@@ -48,20 +48,6 @@ def ucxx_status() -> str:
     return "installed (not measured by this script yet)"
 
 
-def best(rs: list[dict]) -> float:
-    """The best gpucx round against the best perftest round: bandwidth for
-    *_bw, latency (lower is better) for *_lat."""
-    if rs[0].get("latency_us") is not None and rs[0]["test"].split()[0].endswith(
-        "_lat"
-    ):
-        g = min(r["latency_us"] for r in rs)
-        p = min(r["perftest"].get("latency_us") or float("inf") for r in rs)
-        return p / g if g else 0.0
-    g = max(r["bandwidth_gbs"] for r in rs)
-    p = max(r["perftest"].get("bandwidth_gbs", 0) for r in rs)
-    return g / p if p else 0.0
-
-
 def top(rs: list[dict], k: int) -> float:
     """The mean of gpucx's ``k`` best rounds against the mean of perftest's
     ``k`` best (bandwidth tests; latency tests: their ``k`` lowest)."""
@@ -73,10 +59,15 @@ def top(rs: list[dict], k: int) -> float:
             if r["perftest"].get("latency_us") is not None
         )
         g, p = g[:k], p[:k]
-        return statistics.mean(p) / statistics.mean(g) if g and p else 0.0
+        return statistics.mean(p) / statistics.mean(g) if p and g and g[-1] else 0.0
     g = sorted((r["bandwidth_gbs"] for r in rs), reverse=True)[:k]
     p = sorted((r["perftest"].get("bandwidth_gbs", 0) for r in rs), reverse=True)[:k]
     return statistics.mean(g) / statistics.mean(p) if p and statistics.mean(p) else 0.0
+
+
+def best(rs: list[dict]) -> float:
+    """The best gpucx round against the best perftest round (``top(rs, 1)``)."""
+    return top(rs, 1)
 
 
 def main(argv=None) -> int:
