@@ -40,7 +40,7 @@ def test_top_compares_the_means_of_each_sides_best_rounds():
 
 def test_several_apis_are_measured_in_every_round():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "-t", "am_bw", "-s", "8", "-n", "300"]
+        [sys.executable, str(SCRIPT), "-t", "am_bw", "-s", "64K", "-n", "300"]
         + ["-m", "ucx", "--api", "python,c", "--rounds", "2", "--top", "2"],
         capture_output=True,
         text=True,
