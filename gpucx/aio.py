@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -36,7 +37,7 @@ from ._handle import raise_closed
 from ._lib import lib
 from .errors import TimeoutError as GpucxTimeoutError
 from .ops.tag import TAG_MASK_FULL
-from .request import INPROGRESS, Request, new_slot, set_awaiter
+from .request import _WAIT_DUE, INPROGRESS, Request, new_slot, set_awaiter
 
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 
@@ -338,7 +339,8 @@ class _Driver:
         w = req._worker
         spin = self._spin_len()
         if spin:
-            hit = lib.gpucx_wait(w._h, req._slot, spin) != INPROGRESS
+            st = lib.gpucx_wait_due(w._state, req._slot, spin)
+            hit = _spin_on(w, req._slot, spin) if st == _WAIT_DUE else st != INPROGRESS
             self._spin_done(spin, hit)
         else:  # one progress call (gpucx_wait polls at least 128 times)
             lib.ucp_worker_progress(w._h)
@@ -369,6 +371,33 @@ class _Driver:
         self._accepts.append((listener, fut, error_handling))
         self.kick()
         return await fut
+
+
+def _spin_on(worker, slot, spin_ns: int) -> bool:
+    """An await's spin (``gpucx_wait_due``) stopped because Python has work
+    due: run it (the handlers of active messages, notifications), as a
+    blocking wait does (``request.block``), then spin on for up to
+    ``spin_ns`` more until ``slot`` completes; return whether it did.
+
+    Each later stop runs the work that arrived meanwhile.  Inside a handler
+    that work stays due (dispatch does not nest), and the rest of the spin
+    ignores it.  A handler's exception ends the spin and propagates; the
+    request stays pending.
+    """
+    state = worker._state
+    end = time.monotonic_ns() + spin_ns
+    while True:
+        worker._poll_events()
+        if slot.status != INPROGRESS:
+            return True
+        spin_ns = end - time.monotonic_ns()
+        if spin_ns <= 0:
+            return False
+        if lib.gpucx_due(state):
+            return lib.gpucx_wait(worker._h, slot, spin_ns) != INPROGRESS
+        st = lib.gpucx_wait_due(state, slot, spin_ns)
+        if st != _WAIT_DUE:
+            return st != INPROGRESS
 
 
 def _driver(worker, mode: str | None = None, spin_ns: int | None = None) -> _Driver:

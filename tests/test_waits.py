@@ -231,3 +231,87 @@ def test_a_wait_keeps_its_deadline_while_messages_stream_in():
         assert 0.45 < took < 10
         assert len(seen) > 10
         assert req.done() and isinstance(req.exception(), gpucx.CanceledError)
+
+
+# -- an await's spin (gpucx.aio) runs them too ------------------------------------
+
+
+class _AioPair:
+    """An asyncio worker ``b`` (spinning ``spin_us`` per await) and a plain
+    worker ``a`` of the same context, ``ab`` connected to ``b``."""
+
+    def __init__(self, ctx, spin_us):
+        import gpucx.aio
+
+        self.b = gpucx.aio.Worker(ctx, spin_us=spin_us)
+        self.a = ctx.create_worker()
+        self.ab = self.a.connect(self.b.address)
+
+
+def test_an_await_runs_a_handler_while_it_spins():
+    # As in the blocking test above, the tag message comes only once b's
+    # handler ran, and b's await spins for 40 s before it would park.
+    import asyncio
+
+    with gpucx.Context() as ctx:
+
+        async def main():
+            pair = _AioPair(ctx, spin_us=40e6)
+            ran = threading.Event()
+            pair.b.set_am_handler(4, lambda msg: ran.set())
+
+            def peer(stop):
+                end = time.monotonic() + 15
+                time.sleep(0.3)  # b spins by then
+                _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
+                while not ran.is_set():
+                    pair.a.progress()
+                    if stop.is_set() or time.monotonic() > end:
+                        return
+                _settle(pair.ab.send_nb(np.full(8, 3, np.uint8), tag=9), end)
+
+            buf = np.zeros(8, np.uint8)
+            join = _peer_thread(pair, peer)
+            t0 = time.monotonic()
+            try:
+                got = await pair.b.recv_nb(buf, tag=9)
+            finally:
+                join()
+            assert got.nbytes == 8 and ran.is_set() and (buf == 3).all()
+            assert time.monotonic() - t0 < 10
+            pair.b.close()
+
+        asyncio.run(main())
+
+
+def test_a_handler_error_during_an_await_spin_leaves_the_request_pending():
+    # The handler's exception ends the await that ran it; the receive is
+    # not canceled, and a later await gets the message.
+    import asyncio
+
+    with gpucx.Context() as ctx:
+
+        async def main():
+            pair = _AioPair(ctx, spin_us=40e6)
+            pair.b.set_am_handler(4, lambda msg: 1 / 0)
+            buf = np.zeros(8, np.uint8)
+            req = pair.b.recv_nb(buf, tag=9)
+
+            def peer(stop):
+                time.sleep(0.3)  # b spins by then
+                _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
+
+            end = time.monotonic() + 15
+            join = _peer_thread(pair, peer)
+            try:
+                with pytest.raises(ZeroDivisionError):
+                    await req
+            finally:
+                join()
+            assert time.monotonic() < end and not req.done()
+            send = pair.ab.send_nb(np.full(8, 5, np.uint8), tag=9)
+            assert (await req).nbytes == 8 and (buf == 5).all()
+            _settle(send, end)
+            pair.b.close()
+
+        asyncio.run(main())
