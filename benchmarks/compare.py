@@ -1,4 +1,4 @@
-"""Reproducible comparison: gpucx bench vs ucx_perftest (vs ucxx if installed).
+"""Reproducible comparison: gpucx bench vs ucx_perftest (ucxx: see ucxx_am.py).
 
 Runs every (test, size) point ``--rounds`` times; each round measures gpucx
 (its own peer process, C timing loops) and ``ucx_perftest`` (the wheel's,
@@ -45,7 +45,7 @@ def ucxx_status() -> str:
         import ucxx  # noqa: F401
     except Exception as exc:
         return f"not installable here ({type(exc).__name__}: {exc})"
-    return "installed (not measured by this script yet)"
+    return "installed (its AM figures: benchmarks/ucxx_am.py)"
 
 
 def top(rs: list[dict], k: int) -> float:

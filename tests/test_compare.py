@@ -67,3 +67,19 @@ def test_bad_options_are_refused(args):
     )
     assert out.returncode == 2
     assert "--api takes c, python and prepared" in out.stderr
+
+
+# -- benchmarks/ucxx_am.py (run from a venv with ucxx; its perftest half here) ---
+
+
+def test_ucxx_am_script_reads_perftests_bandwidth():
+    # The ucxx half needs ucxx and its own libucx (not this venv's); the
+    # perftest half runs on whichever libucx is installed.
+    import ucxx_am
+
+    gbs = ucxx_am.perftest_round(1 << 16, 2000)
+    assert 0.05 < gbs < 500
+    out = subprocess.run(
+        [sys.executable, ucxx_am.__file__, "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--window" in out.stdout

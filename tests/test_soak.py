@@ -85,11 +85,13 @@ def test_soak_measure_sees_leaks():
 
 
 @pytest.mark.timeout(60)
-def test_am_instructions_workload_runs():
-    """``benchmarks/am_instructions.py`` (the fixed workload measured under
-    callgrind) keeps working: it sends, receives and checks its payload."""
+@pytest.mark.parametrize("script", ["am_instructions.py", "tag_instructions.py"])
+def test_instruction_count_workloads_run(script):
+    """``benchmarks/am_instructions.py`` and ``tag_instructions.py`` (the
+    fixed workloads measured under callgrind) keep working: they send,
+    receive and check their payload."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / "am_instructions.py"), "50"],
+        [sys.executable, str(SCRIPT.parent / script), "50"],
         capture_output=True,
         text=True,
         timeout=50,
