@@ -53,7 +53,16 @@ from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES, _CHAR_ARRAY, _from_buffer, acquire
 from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
-from ..request import Request, block, finish, new_slot, posted, raise_status
+from ..request import (
+    Request,
+    _new_settled,
+    _Settled,
+    block,
+    finish,
+    new_slot,
+    posted,
+    raise_status,
+)
 
 __all__ = [
     "AmMessage",
@@ -146,6 +155,7 @@ _SLOT_P = ffi.typeof("gpucx_slot_t *")
 _NO_MEMORY = lib.UCS_ERR_NO_MEMORY
 _INPROGRESS = lib.UCS_INPROGRESS
 _OK = lib.UCS_OK
+_NULL = ffi.NULL
 _new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
@@ -560,10 +570,12 @@ def _nbytes(req) -> int:
 def _received(req) -> int:
     """Result of a rendezvous ``receive_into``: the byte count; the record
     goes back to the pool (the request is done with its slot)."""
-    n = req._slot.length
     _keep, pair, am = req._keep
-    _recycle(am, pair)
-    return n
+    # _recycle without its _release: receive_into already took the record
+    # out of ``am.held``, and UCX holds no data of it (one call a message).
+    if len(am.free) < _POOL_MAX and am.live[0] is not None:
+        am.free.append(pair)
+    return req._slot.length
 
 
 # -- handlers and sends ----------------------------------------------------------
@@ -907,9 +919,27 @@ def am_send_nb(
 
 
 def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
+    w = ep._w
+    if not header and stream is None and type(buf) in _BUFFER_TYPES and w._am.enabled:
+        # No header, a host buffer: _header, acquire's fast path and posted
+        # inlined, three calls fewer a message.  Anything else (and every
+        # error) takes the general path below.
+        try:
+            ptr = keep = _from_buffer(buf)
+        except (ValueError, BufferError, TypeError):
+            pass
+        else:
+            slot = new_slot() if w._multi else w._sslot
+            st = lib.gpucx_am_send(
+                ep._h, am_id, _NULL, 0, ptr, len(ptr), _HOST, flags, slot
+            )
+            if st == _OK:
+                return _new_settled(_Settled)
+            if slot is w._sslot:
+                w._sslot = new_slot()
+            return Request(w, slot, keep, _SEND, None, ep)
     hdr, hn = _header(ep, header)
     ptr, n, mt, keep = acquire(buf, False, stream)
-    w = ep._w
     if mt == _HOST and stream is None:
         slot = new_slot() if w._multi else w._sslot
         st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
