@@ -658,15 +658,16 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
         lib.gpucx_am_set_keep(am.regs[am_id], 1 if handler is None else 0)
 
 
-def _host_buffer(buf, stream, where: str, refusal: str):
+def _host_buffer(buf, stream, where: str, i: int, refusal: str):
     """``(ptr, nbytes, keepalive)`` of a writable host buffer; an error
-    (``refusal`` for other memory) names the buffer as ``where``."""
+    (``refusal`` for other memory) names the buffer as ``where.format(i)``
+    (made only then: a receive round posts its buffers in one call)."""
     try:
         ptr, n, mt, keep = acquire(buf, True, stream)
         if mt != _HOST:
             raise UnsupportedError(refusal)
     except (TypeError, ValueError, BufferError, UCXError) as exc:
-        exc.args = (f"{where}: {exc}", *exc.args[1:])
+        exc.args = (f"{where.format(i)}: {exc}", *exc.args[1:])
         raise
     return ptr, n, keep
 
@@ -687,7 +688,8 @@ def _new_pool(am: _AmWorker, into):
         ptr, n, keep = _host_buffer(
             buf,
             None,
-            f"set_am_handler: into[{i}]",
+            "set_am_handler: into[{}]",
+            i,
             "a receive pool takes host memory; receive device memory with "
             "AmMessage.receive_into",
         )
@@ -1143,7 +1145,8 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         ptr, nbytes, keep = _host_buffer(
             buf,
             stream,
-            f"am_recv_many_nb: buffer {i}",
+            "am_recv_many_nb: buffer {}",
+            i,
             "posted receives take host memory; receive device memory with a "
             "handler and AmMessage.receive_into",
         )
