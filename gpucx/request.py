@@ -535,16 +535,17 @@ def set_awaiter(fn) -> None:
     _awaiter = fn
 
 
-class _Settled(Request):
-    """A request UCX finished while it was posted, with no result to carry
-    (a send, put or get): settled from birth, nothing to free or track.
+class _Done(Request):
+    """A request finished when it was made, its result in ``_value`` (an
+    eager active message ``receive_into`` copied): settled from birth,
+    nothing to free or track (see :func:`done_with`).
 
-    Its attributes are class constants, so making one costs an empty object.
+    Its other attributes are class constants, so making one costs an
+    object with one slot set.
     """
 
     __slots__ = ()
     _state = 1
-    _value = None
     _keep = None
     _worker = None
     _ep = None
@@ -554,7 +555,23 @@ class _Settled(Request):
     _slot = ffi.new(_SLOT_P, {"status": OK})
 
 
+class _Settled(_Done):
+    """A request UCX finished while it was posted, with no result to carry
+    (a send, put or get): its result is a class constant too, so making one
+    costs an empty object."""
+
+    __slots__ = ()
+    _value = None
+
+
 _new_settled = object.__new__
+
+
+def done_with(value) -> Request:
+    """A request already finished with ``value`` as its result."""
+    req = _new_settled(_Done)
+    req._value = value
+    return req
 
 
 def posted(worker, slot, st: int, keep, what: str, ep) -> Request:

@@ -58,6 +58,7 @@ from ..request import (
     _new_settled,
     _Settled,
     block,
+    done_with,
     finish,
     new_slot,
     posted,
@@ -529,11 +530,17 @@ class AmMessage:
                 "receive_into: an eager active message can only be copied into "
                 "host or CUDA memory (send with proto='rndv' for device buffers)"
             )
-        self._drop()
-        slot = new_slot()
-        slot.status = lib.UCS_OK
-        slot.length = nbytes
-        return Request(w, slot, None, _RECV, _nbytes, None, n)
+        if self._desc is None:
+            # _drop and dispatch's _retire in one: the record goes back to
+            # the pool now (the reply endpoint kept for reply_ep).
+            self._taken = True
+            self._rh = rec.reply_ep
+            pair = self._pair
+            self._pair = None
+            _recycle(self._am, pair)
+        else:
+            self._drop()
+        return done_with(nbytes)
 
     def _no_payload(self):
         taken = self._taken
