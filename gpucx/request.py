@@ -57,6 +57,11 @@ _SLICE_MS = 100
 #: What the C sleeps report when a watched local peer's pidfd woke them.
 _PEER_EXITED = lib.GPUCX_PEER_EXITED
 _WAIT_DUE = lib.GPUCX_WAIT_DUE
+# Looked up once: a cffi ``lib.name`` costs about 50 ns, and these run for
+# every request that completes or waits.
+_slot_release = lib.gpucx_slot_release
+_wait_due = lib.gpucx_wait_due
+_due = lib.gpucx_due
 #: How long a canceled operation may take to report back when its worker
 #: closes.
 _DRAIN_S = 5.0
@@ -137,10 +142,10 @@ def block(
     try:
         while True:
             if due:
-                st = lib.gpucx_wait_due(state, slot, worker._spin_ns)
+                st = _wait_due(state, slot, worker._spin_ns)
                 if st == _WAIT_DUE:
                     worker._poll_events()
-                    if lib.gpucx_due(state):
+                    if _due(state):
                         due = False
                     if deadline is None or time.monotonic() < deadline:
                         continue
@@ -393,7 +398,7 @@ class Request:
     def _complete(self) -> None:
         """First observation of completion: free the UCX request, settle."""
         slot = self._slot
-        st = lib.gpucx_slot_release(slot)
+        st = _slot_release(slot)
         if st == OK:
             self._state = 1
             self._value = self._finish(self) if self._finish is not None else None

@@ -17,7 +17,7 @@ from .ops import arrays as _arrays
 from .ops import atomic as _atomic
 from .ops import rma as _rma
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot, settle
+from .request import INPROGRESS, _due, finish, new_slot, settle
 
 __all__ = ["Worker"]
 
@@ -150,7 +150,7 @@ class Worker(Handle):
         and put-with-notify notifications (when a handler is set), checks
         peers on this host (at most once per interval) and frees parked
         operations UCX has let go of."""
-        due = lib.gpucx_due(self._state)
+        due = _due(self._state)
         if due:
             self._run_queues(due)
         if self._watched:

@@ -157,6 +157,9 @@ _NO_MEMORY = lib.UCS_ERR_NO_MEMORY
 _INPROGRESS = lib.UCS_INPROGRESS
 _OK = lib.UCS_OK
 _NULL = ffi.NULL
+# Looked up once (a cffi ``lib.name`` costs about 50 ns): once a message.
+_am_send = lib.gpucx_am_send
+_recv_msg = lib.gpucx_am_recv_msg
 _new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
@@ -501,11 +504,11 @@ class AmMessage:
             rec, slot = pair
             if mt == _HOST and stream is None:
                 self._taken = True
-                lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+                _recv_msg(w._h, rec, ptr, mt, slot)
             else:
                 with _cuda.door(w, ptr, mt, stream, _RECV):
                     self._taken = True
-                    lib.gpucx_am_recv_msg(w._h, rec, ptr, mt, slot)
+                    _recv_msg(w._h, rec, ptr, mt, slot)
             am = self._am
             # The record holds nothing to give back now: recycling it needs
             # no C call.
@@ -939,9 +942,7 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
             pass
         else:
             slot = new_slot() if w._multi else w._sslot
-            st = lib.gpucx_am_send(
-                ep._h, am_id, _NULL, 0, ptr, len(ptr), _HOST, flags, slot
-            )
+            st = _am_send(ep._h, am_id, _NULL, 0, ptr, len(ptr), _HOST, flags, slot)
             if st == _OK:
                 return _new_settled(_Settled)
             if slot is w._sslot:
