@@ -17,6 +17,9 @@ eager 8-byte ``am_send_nb`` into receives posted with one
 ``am_recv_many_nb`` a round (matched in C; per message = the difference
 divided by 64 times the extra rounds).
 
+``--proto eager`` sends the handler's messages eagerly (``receive_into``
+then copies in Python instead of starting a rendezvous receive).
+
 ``--window W`` streams instead: W messages are sent back to back, the
 handler starts ``receive_into`` of each and keeps only the request (as a
 streaming receiver does), then both sides wait for the W; COUNT is rounded
@@ -39,7 +42,9 @@ import gpucx
 AM_ID = 7
 
 
-def run(count: int, size: int, window: int = 1, sends: bool = False) -> None:
+def run(
+    count: int, size: int, window: int = 1, sends: bool = False, proto: str = "rndv"
+) -> None:
     with gpucx.Context(config={"TLS": "sm,self"}) as ctx:
         a, b = ctx.create_worker(), ctx.create_worker()
         ab = a.connect(b.address, error_handling=False)
@@ -49,20 +54,20 @@ def run(count: int, size: int, window: int = 1, sends: bool = False) -> None:
         if sends:
             send_only(b, ab, count)
         elif window > 1:
-            stream(a, b, ab, sbuf, rbuf, -(-count // window), window)
+            stream(a, b, ab, sbuf, rbuf, -(-count // window), window, proto)
         else:
-            ping(a, b, ab, sbuf, rbuf, count)
+            ping(a, b, ab, sbuf, rbuf, count, proto)
         assert sends or (rbuf[0] == 1 and rbuf[-1] == 1)
         ba.close()
         ab.close()
 
 
-def ping(a, b, ab, sbuf, rbuf, count: int) -> None:
+def ping(a, b, ab, sbuf, rbuf, count: int, proto: str = "rndv") -> None:
     """``count`` messages, one at a time."""
     inbox: list = []
     b.set_am_handler(AM_ID, inbox.append)
     for _ in range(count):
-        req = ab.am_send_nb(AM_ID, sbuf, proto="rndv")
+        req = ab.am_send_nb(AM_ID, sbuf, proto=proto)
         while not inbox:
             b.progress()
             a.progress()
@@ -83,12 +88,12 @@ def send_only(b, ab, rounds: int) -> None:
         assert bufs[-1][0] == 1
 
 
-def stream(a, b, ab, sbuf, rbuf, rounds: int, window: int) -> None:
+def stream(a, b, ab, sbuf, rbuf, rounds: int, window: int, proto: str = "rndv") -> None:
     """``rounds`` rounds of ``window`` messages sent back to back."""
     recvs: list = []
     b.set_am_handler(AM_ID, lambda msg: recvs.append(msg.receive_into(rbuf)))
     for _ in range(rounds):
-        sends = [ab.am_send_nb(AM_ID, sbuf, proto="rndv") for _ in range(window)]
+        sends = [ab.am_send_nb(AM_ID, sbuf, proto=proto) for _ in range(window)]
         while len(recvs) < window:
             b.progress()
             a.progress()
@@ -109,8 +114,14 @@ def main() -> None:
     p.add_argument(
         "--sends", action="store_true", help="the sending path alone (see above)"
     )
+    p.add_argument(
+        "--proto",
+        choices=("rndv", "eager"),
+        default="rndv",
+        help="the protocol of the handler's messages (default rndv)",
+    )
     args = p.parse_args()
-    run(args.count, args.size, args.window, args.sends)
+    run(args.count, args.size, args.window, args.sends, args.proto)
 
 
 if __name__ == "__main__":

@@ -85,13 +85,21 @@ def test_soak_measure_sees_leaks():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("script", ["am_instructions.py", "tag_instructions.py"])
-def test_instruction_count_workloads_run(script):
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("am_instructions.py", []),
+        ("am_instructions.py", ["--sends"]),
+        ("am_instructions.py", ["--window", "8", "--proto", "eager"]),
+        ("tag_instructions.py", []),
+    ],
+)
+def test_instruction_count_workloads_run(script, args):
     """``benchmarks/am_instructions.py`` and ``tag_instructions.py`` (the
     fixed workloads measured under callgrind) keep working: they send,
     receive and check their payload."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / script), "50"],
+        [sys.executable, str(SCRIPT.parent / script), "50", *args],
         capture_output=True,
         text=True,
         timeout=50,
