@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
+import pathlib
 import socket
 import statistics
 import subprocess
@@ -34,6 +34,8 @@ import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # bench_rma
 
 
 def _free_port() -> int:
@@ -103,37 +105,12 @@ def ucxx_round(size: int, count: int, window: int) -> float:
 
 
 def perftest_round(size: int, count: int) -> float:
-    """One ``ucx_perftest -t ucp_am_bw -e`` run: GB/s (overall)."""
-    import libucx
+    """One ``ucx_perftest -t ucp_am_bw -e`` run: GB/s (overall), through
+    ``bench_rma.perftest`` (which imports nothing of gpucx at load)."""
+    from bench_rma import perftest
 
-    root = os.path.dirname(libucx.__file__)
-    exe = os.path.join(root, "bin", "ucx_perftest")
-    env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = os.path.join(root, "lib")
-    port = str(_free_port())
-    args = ["-p", port, "-t", "ucp_am_bw", "-s", str(size), "-n", str(count), "-e"]
-    server = subprocess.Popen(
-        [exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        for _ in range(100):  # until it listens
-            time.sleep(0.05)
-            out = subprocess.run(
-                [exe, "127.0.0.1", *args], env=env, capture_output=True, text=True
-            )
-            if out.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"ucx_perftest failed: {out.stderr[-500:]}")
-        server.wait(60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-    final = [ln for ln in out.stdout.splitlines() if ln.startswith("Final:")]
-    # Final: iters, latency typical/average/overall, bandwidth average and
-    # overall (MB/s, which perftest counts in MiB), rates.
-    return float(final[0].split()[6]) * (1 << 20) / 1e9
+    mib_s = perftest("ucp_am_bw", size, count, "default", eh=True)["bw"]
+    return mib_s * (1 << 20) / 1e9
 
 
 def main() -> None:

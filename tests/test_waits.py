@@ -121,6 +121,23 @@ def _peer_thread(pair, body):
     return join
 
 
+def _handler_then_tag(pair, ran, delay=0.0):
+    """The peer of the handler-before-completion tests: after ``delay`` s an
+    active message to id 4, then, once b's handler set ``ran``, 3s to tag 9."""
+
+    def peer(stop):
+        end = time.monotonic() + 15
+        time.sleep(delay)
+        _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
+        while not ran.is_set():
+            pair.a.progress()
+            if stop.is_set() or time.monotonic() > end:
+                return
+        _settle(pair.ab.send_nb(np.full(8, 3, np.uint8), tag=9), end)
+
+    return peer
+
+
 def _settle(req, end):
     while not req.done():
         if time.monotonic() > end:
@@ -144,17 +161,8 @@ def test_a_wait_runs_a_handler_before_its_own_operation_completes(receive):
         ran = threading.Event()
         pair.b.set_am_handler(4, lambda msg: ran.set())
 
-        def peer(stop):
-            end = time.monotonic() + 15
-            _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
-            while not ran.is_set():
-                pair.a.progress()
-                if stop.is_set() or time.monotonic() > end:
-                    return
-            _settle(pair.ab.send_nb(np.full(8, 3, np.uint8), tag=9), end)
-
         buf = np.zeros(8, np.uint8)
-        join = _peer_thread(pair, peer)
+        join = _peer_thread(pair, _handler_then_tag(pair, ran))
         t0 = time.monotonic()
         try:
             receive(pair.b, buf)
@@ -260,18 +268,9 @@ def test_an_await_runs_a_handler_while_it_spins():
             ran = threading.Event()
             pair.b.set_am_handler(4, lambda msg: ran.set())
 
-            def peer(stop):
-                end = time.monotonic() + 15
-                time.sleep(0.3)  # b spins by then
-                _settle(pair.ab.am_send_nb(4, np.ones(8, np.uint8)), end)
-                while not ran.is_set():
-                    pair.a.progress()
-                    if stop.is_set() or time.monotonic() > end:
-                        return
-                _settle(pair.ab.send_nb(np.full(8, 3, np.uint8), tag=9), end)
-
             buf = np.zeros(8, np.uint8)
-            join = _peer_thread(pair, peer)
+            # b spins by the time the message comes.
+            join = _peer_thread(pair, _handler_then_tag(pair, ran, delay=0.3))
             t0 = time.monotonic()
             try:
                 got = await pair.b.recv_nb(buf, tag=9)
