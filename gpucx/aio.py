@@ -37,7 +37,15 @@ from ._handle import raise_closed
 from ._lib import lib
 from .errors import TimeoutError as GpucxTimeoutError
 from .ops.tag import TAG_MASK_FULL
-from .request import _WAIT_DUE, INPROGRESS, Request, new_slot, set_awaiter
+from .request import (
+    _WAIT_DUE,
+    INPROGRESS,
+    Request,
+    _due,
+    _wait_due,
+    new_slot,
+    set_awaiter,
+)
 
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 
@@ -339,7 +347,7 @@ class _Driver:
         w = req._worker
         spin = self._spin_len()
         if spin:
-            st = lib.gpucx_wait_due(w._state, req._slot, spin)
+            st = _wait_due(w._state, req._slot, spin)
             hit = _spin_on(w, req._slot, spin) if st == _WAIT_DUE else st != INPROGRESS
             self._spin_done(spin, hit)
         else:  # one progress call (gpucx_wait polls at least 128 times)
@@ -393,9 +401,9 @@ def _spin_on(worker, slot, spin_ns: int) -> bool:
         spin_ns = end - time.monotonic_ns()
         if spin_ns <= 0:
             return False
-        if lib.gpucx_due(state):
+        if _due(state):
             return lib.gpucx_wait(worker._h, slot, spin_ns) != INPROGRESS
-        st = lib.gpucx_wait_due(state, slot, spin_ns)
+        st = _wait_due(state, slot, spin_ns)
         if st != _WAIT_DUE:
             return st != INPROGRESS
 
