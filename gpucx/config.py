@@ -32,6 +32,34 @@ THREAD_MODES = {
 #: traffic silently moves to TCP (about 10x slower).
 DEFAULTS = {"MM_ERROR_HANDLING": "y"}
 
+#: UCX options gpucx sets for the GPU paths, each with why (``gpucx info``
+#: prints both).  Unlike :data:`DEFAULTS` each is set only where this UCX
+#: knows it (a UCX without CUDA transports has no ``CUDA_IPC_*`` options,
+#: UCX before 1.22 has no ``RMA_PPLN_ENABLE``), and never where the user's
+#: config or a ``UCX_*`` variable chooses it: ``Context.tuned`` says which
+#: took effect.  Measured on one H100 (benchmarks/RESULTS.md, "GPU paths at
+#: the machine's speed"); each replaces a fallback UCX takes on a single-GPU
+#: or PCIe node, and none changes a host-to-host protocol.
+TUNED = {
+    "CUDA_IPC_ENABLE_GET_ZCOPY": (
+        "y",
+        "get of GPU memory over CUDA IPC; UCX turns it off when device 0 "
+        "has no NVLink (one GPU, PCIe), leaving a software emulation over "
+        "shared memory at about 1 GB/s",
+    ),
+    "RNDV_PIPELINE_ERROR_HANDLING": (
+        "y",
+        "host/GPU rendezvous pipelines (staged through GPU fragments over "
+        "CUDA IPC) with peer error handling, gpucx's default; without it "
+        "UCX falls back to copy-in/copy-out over shared memory",
+    ),
+    "RMA_PPLN_ENABLE": (
+        "y",
+        "put/get between host and GPU memory by rendezvous (UCX 1.22 and "
+        "later, peers on 1.22 too) rather than software emulation",
+    ),
+}
+
 
 #: Prefix of gpucx's own options in ``Context(config=...)``; they are never
 #: passed to UCX.
@@ -181,3 +209,13 @@ def normalize(config: Mapping[str, object] | None) -> dict[str, str]:
         if name not in out and f"UCX_{name}" not in os.environ:
             out[name] = value
     return out
+
+
+def tuned_candidates(options: Mapping[str, str]) -> dict[str, str]:
+    """The :data:`TUNED` options neither ``options`` (the user's, after
+    :func:`normalize`) nor a ``UCX_*`` environment variable chooses."""
+    return {
+        name: value
+        for name, (value, _why) in TUNED.items()
+        if name not in options and f"UCX_{name}" not in os.environ
+    }

@@ -26,7 +26,9 @@ class Context(Handle):
         UCX options without the ``UCX_`` prefix, e.g. ``{"TLS": "tcp"}``.
         ``UCX_*`` environment variables still apply underneath.  Unless
         chosen, gpucx sets ``MM_ERROR_HANDLING=y`` so that shared memory
-        stays in use with peer error handling.  Keys starting with
+        stays in use with peer error handling, and the GPU path options of
+        ``gpucx.config.TUNED`` that this UCX knows (:attr:`tuned`; see
+        docs/gpu.md, "Settings gpucx applies").  Keys starting with
         ``GPUCX_`` are gpucx's own options, never passed to UCX:
         ``GPUCX_PEER_CHECK_INTERVAL`` (seconds between liveness checks of
         peers on this host, default 0.1, 0 = off; see the guide's "Peer
@@ -72,12 +74,23 @@ class Context(Handle):
                         f"UCX config option {name!r}: unknown option or invalid "
                         f"value {value!r}"
                     )
+            # The GPU path options this UCX knows (ucp_config_read loaded the
+            # transports' option tables); one it rejects is not there to tune.
+            tuned: dict[str, str] = {}
+            for name, value in _config.tuned_candidates(options).items():
+                st = lib.ucp_config_modify(cfg[0], name.encode(), value.encode())
+                if st == lib.UCS_OK:
+                    tuned[name] = value
             check(lib.gpucx_context_create(cfg[0], mask, b"gpucx", out), "ucp_init")
         finally:
             lib.ucp_config_release(cfg[0])
         self._h = out[0]
         self.features = names
         self.config = options
+        #: The UCX options gpucx set for the GPU paths (``config.TUNED``):
+        #: those this UCX knows and neither ``config`` nor the environment
+        #: chose.  Not in :attr:`config`, which holds what was asked for.
+        self.tuned = tuned
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
         self._spin_ns = int(own["SPIN_US"] * 1000)
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])

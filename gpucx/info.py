@@ -96,6 +96,7 @@ def collect() -> dict:
     with gpucx.Context() as ctx:
         memory_types = sorted(m.name for m in ctx.memory_types)
         problem = ctx.cuda_problem
+        tuned = dict(ctx.tuned)
     transports = sorted({t for d in domains for t, _ in d["transports"]})
     cuda_tls = [t for t in transports if t.startswith(("cuda", "gdr"))]
     driver = _cuda_driver()
@@ -116,7 +117,36 @@ def collect() -> dict:
             "problem": problem,
         },
         "ucx_info_error": error,
+        "tuned": _tuned(tuned),
     }
+
+
+def _tuned(applied: dict[str, str]) -> list[dict]:
+    """Each GPU path option of ``config.TUNED``: its value, whether gpucx
+    set it here, and why (or why not)."""
+    import os
+
+    from .config import TUNED
+
+    rows = []
+    for name, (value, why) in TUNED.items():
+        env = os.environ.get(f"UCX_{name}")
+        if name in applied:
+            state = "set by gpucx"
+        elif env is not None:
+            state = f"UCX_{name}={env} in the environment"
+        else:
+            state = "not set: no such option in this UCX (too old, or the transport did not load)"
+        rows.append(
+            {
+                "option": name,
+                "value": value,
+                "applied": name in applied,
+                "state": state,
+                "why": why,
+            }
+        )
+    return rows
 
 
 def format_info(info: dict) -> str:
@@ -144,6 +174,13 @@ def format_info(info: dict) -> str:
         lines.append(f"CUDA         no ({'; '.join(why)})")
         if cuda.get("problem"):
             lines.append(f"  why: {cuda['problem']}")
+    if info.get("tuned"):
+        lines.append(
+            'UCX settings gpucx applies (docs/gpu.md, "Settings gpucx applies")'
+        )
+        for t in info["tuned"]:
+            lines.append(f"  {t['option']}={t['value']}: {t['state']}")
+            lines.append(f"    {t['why']}")
     lines.append("transports   (transport/device, memory domain)")
     for d in info["domains"]:
         for t, dev in d["transports"]:

@@ -132,6 +132,13 @@ def run_perftest(
     """
     path, env = perftest_binary()
     env["UCX_MM_ERROR_HANDLING"] = "y"
+    if "cuda" in memory:
+        # The GPU path options gpucx's contexts run with (config.TUNED),
+        # so that both sides of a GPU row take the same UCX protocols.
+        from ..config import TUNED
+
+        for name, (value, _why) in TUNED.items():
+            env.setdefault(f"UCX_{name}", value)
     if tls:
         env["UCX_TLS"] = tls
     mem = ",".join("cuda" if m == "cuda" else "host" for m in memory)
