@@ -471,6 +471,10 @@ class FakeDriver:
         self._log("primary_context", device)
         return 0xC0 + device
 
+    def primary_active(self, device: int) -> bool:
+        self._log("primary_active", device)
+        return 0 <= device < self.devices
+
     def set_current(self, ctx: int) -> None:
         self._log("set_current", ctx)
         self.current = ctx

@@ -69,3 +69,34 @@ def cuda_region_owner(cfg, ch, nbytes, device):
         ch.put(("region", notes[0][1], cupy.asnumpy(view).tobytes()))
         ch.get()
         del ep
+
+
+def cuda_am_posted(cfg, ch, sizes, device):
+    """Posted AM receives into CuPy buffers: one group for ``sizes`` (posted
+    before the peer sends), then a single receive posted after an eager
+    message was kept.  Reports the sizes and the mismatching byte counts."""
+    import time
+
+    import cupy
+
+    with cupy.cuda.Device(device), gpucx.Context(config=cfg) as ctx:
+        w = ctx.create_worker()
+        ch.put(w.address)
+        w.connect(ch.get())
+        bufs = [cupy.zeros(n, cupy.uint8) for n in sizes]
+        req = w.am_recv_many_nb(40, bufs)
+        ch.put("posted")
+        got = req.wait(60)
+        bad = [
+            int((b != pattern(cupy, n, k)).sum())
+            for k, (b, n) in enumerate(zip(bufs, sizes, strict=True))
+        ]
+        ch.put(("group", got, bad))
+        assert ch.get() == "sent"
+        t_end = time.monotonic() + 0.5
+        while time.monotonic() < t_end:  # the message arrives and is kept
+            w.progress()
+        kept = cupy.zeros(100, cupy.uint8)
+        n = w.am_recv(40, kept, timeout=60)
+        ch.put(("kept", n, int((kept != pattern(cupy, 100, 9)).sum())))
+        ch.get()

@@ -721,8 +721,11 @@ def test_posted_receive_errors(pair):
         pair.b.am_recv_nb("1", bytearray(4))
     with pytest.raises(BufferError):
         pair.b.am_recv_nb(17, b"read-only")
-    with pytest.raises(gpucx.UnsupportedError, match="host memory"):
+    # CUDA memory passes the CUDA door: here, a context that cannot move it.
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot be moved"):
         pair.b.am_recv_nb(17, FakeCudaArrayV2(np.zeros(8, np.uint8)))
+    with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot be moved"):
+        pair.b.am_recv_many_nb(17, [FakeCudaArrayV2(np.zeros(8, np.uint8))])
     with gpucx.Context(features={"tag"}) as ctx:
         w = ctx.create_worker()
         with pytest.raises(gpucx.UnsupportedError, match='"am" feature'):
@@ -979,7 +982,8 @@ def test_group_receive_errors(pair):
     same = bytearray(4)
     with pytest.raises(BufferError, match="buffer 3"):
         pair.b.am_recv_many_nb(35, [same, same, same, b"read-only", same])
-    with pytest.raises(gpucx.UnsupportedError, match="buffer 1: .*host memory"):
+    cannot = "buffer 1: .*CUDA memory cannot be moved"
+    with pytest.raises(gpucx.UnsupportedError, match=cannot):
         pair.b.am_recv_many_nb(
             35, [bytearray(4), FakeCudaArrayV2(np.zeros(8, np.uint8))]
         )

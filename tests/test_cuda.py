@@ -20,7 +20,13 @@ import pytest
 import gpucx
 
 from conftest import Pair, channel_pair, join_ok, spawn
-from peers_cuda import array_echo, cuda_echo, cuda_region_owner, pattern
+from peers_cuda import (
+    array_echo,
+    cuda_am_posted,
+    cuda_echo,
+    cuda_region_owner,
+    pattern,
+)
 from test_rma import background
 
 pytestmark = [pytest.mark.cuda, pytest.mark.timeout(300)]
@@ -137,6 +143,31 @@ def test_tag_cupy_two_processes(cupy, cuda_cfg):
     join_ok(child)
     if cuda_cfg is not None and "cuda_ipc" in cuda_cfg["TLS"]:
         assert any("cuda_ipc" in t for t, _ in transports), transports
+
+
+def test_am_posted_receives_cupy_two_processes(cupy, cuda_cfg):
+    """Posted AM receives take CuPy buffers: eager and rendezvous payloads
+    land in device memory with no handler, and an eager message kept
+    before the receive is copied in when it is posted."""
+    sizes = [1, 4096, 65537, 8 * 2**20 + 5]
+    dev = _last_device(cupy)
+    ours, theirs = channel_pair()
+    child = spawn(cuda_am_posted, cuda_cfg, theirs, sizes, dev)
+    with cupy.cuda.Device(dev), gpucx.Context(config=cuda_cfg) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(ours.get())
+        ours.put(w.address)
+        assert ours.get() == "posted"
+        for k, n in enumerate(sizes):
+            ep.am_send(40, pattern(cupy, n, k), timeout=60)
+        kind, got, bad = ours.get()
+        assert kind == "group" and got == sizes and bad == [0] * len(sizes)
+        ep.am_send(40, pattern(cupy, 100, 9), proto="eager", timeout=60)
+        ours.put("sent")
+        kind, n, bad = ours.get()
+        assert (kind, n, bad) == ("kept", 100, 0)
+        ours.put("bye")
+    join_ok(child)
 
 
 def test_send_array_two_processes(cupy, cuda_cfg):

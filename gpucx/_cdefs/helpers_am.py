@@ -47,6 +47,7 @@ static const unsigned GPUCX_DUE;
 static const unsigned GPUCX_AM_SEND_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER;
 static const unsigned GPUCX_AM_SEND_RNDV;
+static const int GPUCX_AM_COPY_IN;
 """
 
 FUNCTIONS = """
@@ -75,14 +76,20 @@ ucs_status_t gpucx_am_send_wait(gpucx_worker_state_t *ws, ucp_ep_h ep, unsigned 
 ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
                            gpucx_slot_t *slot);
 void gpucx_am_group_lengths(const gpucx_slot_t *members, size_t n, size_t *out);
+ucs_status_t gpucx_am_post_mt(gpucx_am_reg_t *reg, void *buf, size_t len,
+                              int mt, gpucx_slot_t *slot, gpucx_am_msg_t *out);
+void gpucx_am_member_finish(gpucx_am_group_t *g, gpucx_slot_t *m,
+                            ucs_status_t status, size_t length);
 ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg, gpucx_am_group_t *g,
                                  void **bufs, const size_t *lens,
-                                 size_t nbufs, gpucx_slot_t *members,
-                                 size_t n);
+                                 const int *mts, size_t nbufs,
+                                 gpucx_slot_t *members, size_t n, size_t *at,
+                                 gpucx_am_msg_t *out);
 void gpucx_am_unpost_all(gpucx_am_reg_t *reg);
 void gpucx_am_set_keep(gpucx_am_reg_t *reg, int keep);
 ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws, gpucx_am_reg_t *reg,
-                                void *buf, size_t len, gpucx_slot_t *slot,
+                                void *buf, size_t len, int mt,
+                                gpucx_slot_t *slot, gpucx_am_msg_t *out,
                                 uint64_t spin_ns);
 unsigned gpucx_am_kept(gpucx_am_reg_t *reg);
 gpucx_am_pool_t *gpucx_am_pool_new(gpucx_am_state_t *st, void **bufs,

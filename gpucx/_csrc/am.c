@@ -62,10 +62,24 @@ typedef struct gpucx_am_group {
     ucs_status_t         error;
 } gpucx_am_group_t;
 
-/* A receive buffer posted for the next message of one AM id. */
+/* A receive buffer posted for the next message of one AM id.
+ *
+ * memory_type is the buffer's ucs_memory_type_t.  Host buffers take eager
+ * payloads by memcpy.  Device buffers (CUDA) are never touched by the CPU:
+ * every payload goes through ucp_am_recv_data_nbx with the memory type, a
+ * rendezvous one zero copy, an eager one unpacked by UCX's memory-type copy
+ * (ucp.h allows it on a persistent data pointer, UCP_AM_RECV_ATTR_FLAG_DATA,
+ * from inside the AM callback).  The one case C leaves to Python is an
+ * eager message kept before a device buffer was posted: outside the
+ * callback, UCX releases a multi-fragment eager descriptor to the wrong
+ * allocator (it was malloc'ed) when ucp_am_recv_data_nbx unpacks it, so
+ * gpucx_am_post_mt / gpucx_am_post_group hand such a message to Python
+ * (GPUCX_AM_COPY_IN), which copies it with the CUDA driver and releases it
+ * with gpucx_am_release. */
 typedef struct gpucx_am_post {
     void             *buf;
     size_t            len;
+    int               memory_type;
     gpucx_slot_t     *slot;
     gpucx_am_group_t *group; /* NULL for a receive posted alone */
 } gpucx_am_post_t;
@@ -118,6 +132,17 @@ typedef struct gpucx_am_reg {
     unsigned          kcap;
     gpucx_am_pool_t  *pool;  /* NULL: rendezvous payloads wait at the sender */
 } gpucx_am_reg_t;
+
+/* What gpucx_am_post_mt and gpucx_am_post_group return when a kept eager
+ * message must be copied into a device buffer by Python (see
+ * gpucx_am_post_t).  Not a UCX status, nor GPUCX_WAIT_DUE. */
+#define GPUCX_AM_COPY_IN 5
+
+/* Whether a message may be received into memory of type mt in C now:
+ * always for host memory; for device memory, a rendezvous payload or
+ * persistent eager data (always the case with UCP_AM_FLAG_PERSISTENT_DATA),
+ * which ucp_am_recv_data_nbx unpacks. */
+#define GPUCX__AM_HOST(mt) ((mt) == UCS_MEMORY_TYPE_HOST)
 
 /* slot->kind of a posted AM receive not yet matched (slot->value holds its
  * gpucx_am_reg_t *), for gpucx_slot_cancel. */
@@ -219,7 +244,8 @@ static void gpucx__am_member_cb(void *request, ucs_status_t status,
  * message), which the caller gives back. */
 static int gpucx__am_member_recv(gpucx_am_state_t *st, gpucx_am_group_t *g,
                                  gpucx_slot_t *m, void *buf, size_t len,
-                                 void *data, size_t length, uint64_t attr)
+                                 int mt, void *data, size_t length,
+                                 uint64_t attr)
 {
     ucp_request_param_t rp;
     ucs_status_ptr_t    r;
@@ -228,10 +254,15 @@ static int gpucx__am_member_recv(gpucx_am_state_t *st, gpucx_am_group_t *g,
     m->length = length;
     if (length > len) {
         status = UCS_ERR_MESSAGE_TRUNCATED; /* dropped; a sender completes */
-    } else if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+    } else if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && GPUCX__AM_HOST(mt)) {
         if (length != 0) {
             memcpy(buf, data, length);
         }
+    } else if (!(attr & (UCP_AM_RECV_ATTR_FLAG_RNDV |
+                         UCP_AM_RECV_ATTR_FLAG_DATA))) {
+        /* Eager data valid only during a callback, for device memory: not
+         * expected with UCP_AM_FLAG_PERSISTENT_DATA; refused, not copied. */
+        status = UCS_ERR_UNSUPPORTED;
     } else {
         m->value        = (uint64_t)(uintptr_t)g;
         rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
@@ -239,7 +270,7 @@ static int gpucx__am_member_recv(gpucx_am_state_t *st, gpucx_am_group_t *g,
                           UCP_OP_ATTR_FIELD_MEMORY_TYPE;
         rp.cb.recv_am   = gpucx__am_member_cb;
         rp.user_data    = m;
-        rp.memory_type  = UCS_MEMORY_TYPE_HOST;
+        rp.memory_type  = (ucs_memory_type_t)mt;
         r = ucp_am_recv_data_nbx(st->worker, data, buf, length, &rp);
         if (r != NULL && !UCS_PTR_IS_ERR(r)) {
             return 1; /* gpucx__am_member_cb completes the member */
@@ -266,7 +297,8 @@ static ucs_status_t gpucx__am_deliver_member(gpucx_am_state_t *st,
                                              void *data, size_t length,
                                              uint64_t attr)
 {
-    if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length <= p->len) {
+    if (!(attr & UCP_AM_RECV_ATTR_FLAG_RNDV) && length <= p->len &&
+        GPUCX__AM_HOST(p->memory_type)) {
         if (length != 0) {
             memcpy(p->buf, data, length);
         }
@@ -276,8 +308,8 @@ static ucs_status_t gpucx__am_deliver_member(gpucx_am_state_t *st,
         return UCS_OK;
     }
     pthread_mutex_unlock(&st->lock);
-    return gpucx__am_member_recv(st, p->group, p->slot, p->buf, p->len, data,
-                                 length, attr)
+    return gpucx__am_member_recv(st, p->group, p->slot, p->buf, p->len,
+                                 p->memory_type, data, length, attr)
                ? UCS_INPROGRESS /* the descriptor now belongs to the receive */
                : UCS_OK;
 }
@@ -305,10 +337,19 @@ static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
         p.slot->status = UCS_ERR_MESSAGE_TRUNCATED;
         return UCS_OK; /* dropped: a rendezvous sender completes */
     }
-    if (attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-        gpucx_am_recv_data(st->worker, data, p.buf, length,
-                           UCS_MEMORY_TYPE_HOST, p.slot);
+    if ((attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ||
+        (!GPUCX__AM_HOST(p.memory_type) &&
+         (attr & UCP_AM_RECV_ATTR_FLAG_DATA))) {
+        /* Zero copy, or (device memory) UCX unpacks the eager data; an
+         * eager receive completes before this returns. */
+        gpucx_am_recv_data(st->worker, data, p.buf, length, p.memory_type,
+                           p.slot);
         return UCS_INPROGRESS; /* the descriptor now belongs to the receive */
+    }
+    if (!GPUCX__AM_HOST(p.memory_type)) {
+        p.slot->length = length; /* see gpucx__am_member_recv */
+        p.slot->status = UCS_ERR_UNSUPPORTED;
+        return UCS_OK;
     }
     if (length != 0) {
         memcpy(p.buf, data, length);
@@ -630,7 +671,8 @@ static int gpucx__am_posts_reserve(gpucx_am_reg_t *reg, size_t k)
 }
 
 static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
-                                 gpucx_slot_t *slot, gpucx_am_group_t *g)
+                                 int mt, gpucx_slot_t *slot,
+                                 gpucx_am_group_t *g)
 {
     slot->status = UCS_INPROGRESS;
     slot->req    = NULL;
@@ -639,6 +681,7 @@ static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
     slot->value  = (uint64_t)(uintptr_t)reg;
     reg->posts[reg->ptail].buf   = buf;
     reg->posts[reg->ptail].len   = len;
+    reg->posts[reg->ptail].memory_type = mt;
     reg->posts[reg->ptail].slot  = slot;
     reg->posts[reg->ptail].group = g;
     reg->ptail++;
@@ -647,17 +690,23 @@ static void gpucx__am_posts_push(gpucx_am_reg_t *reg, void *buf, size_t len,
 static void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
 static void gpucx_am_pool_free(gpucx_am_pool_t *pool);
 
-static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
-                                  gpucx_slot_t *slot);
+static ucs_status_t gpucx_am_post_mt(gpucx_am_reg_t *reg, void *buf,
+                                     size_t len, int mt, gpucx_slot_t *slot,
+                                     gpucx_am_msg_t *out);
 
-/* Blocking receive: post, then progress until done or spin_ns pass. */
+/* Blocking receive: post, then progress until done or spin_ns pass.
+ * Returns GPUCX_AM_COPY_IN as gpucx_am_post_mt does. */
 static ucs_status_t gpucx_am_recv_wait(gpucx_worker_state_t *ws,
                                        gpucx_am_reg_t *reg, void *buf,
-                                       size_t len, gpucx_slot_t *slot,
-                                       uint64_t spin_ns)
+                                       size_t len, int mt, gpucx_slot_t *slot,
+                                       gpucx_am_msg_t *out, uint64_t spin_ns)
 {
-    return gpucx__wait_posted(ws, slot, gpucx_am_post(reg, buf, len, slot),
-                              spin_ns);
+    ucs_status_t st = gpucx_am_post_mt(reg, buf, len, mt, slot, out);
+
+    if (st == (ucs_status_t)GPUCX_AM_COPY_IN) {
+        return st;
+    }
+    return gpucx__wait_posted(ws, slot, st, spin_ns);
 }
 
 /* Take the oldest kept message of reg into *out (state lock held); 0 when
@@ -681,7 +730,8 @@ static int gpucx__am_kept_pop(gpucx_am_reg_t *reg, gpucx_am_msg_t *out)
 /* Receive a kept message into a receive posted alone (lock not held):
  * eager data is copied and given back, a rendezvous fetch starts. */
 static ucs_status_t gpucx__am_take(gpucx_am_state_t *st, gpucx_am_msg_t *m,
-                                   void *buf, size_t len, gpucx_slot_t *slot)
+                                   void *buf, size_t len, int mt,
+                                   gpucx_slot_t *slot)
 {
     void *desc;
 
@@ -696,8 +746,7 @@ static ucs_status_t gpucx__am_take(gpucx_am_state_t *st, gpucx_am_msg_t *m,
     if (m->flags & UCP_AM_RECV_ATTR_FLAG_RNDV) {
         desc    = m->data;
         m->data = NULL;
-        return gpucx_am_recv_data(st->worker, desc, buf, m->length,
-                                  UCS_MEMORY_TYPE_HOST, slot);
+        return gpucx_am_recv_data(st->worker, desc, buf, m->length, mt, slot);
     }
     if (m->length != 0) {
         memcpy(buf, m->data, m->length);
@@ -707,11 +756,24 @@ static ucs_status_t gpucx__am_take(gpucx_am_state_t *st, gpucx_am_msg_t *m,
     return UCS_OK;
 }
 
-/* Post buf for the next message of reg's id; a kept message is received at
- * once.  Returns UCS_INPROGRESS, the status of a receive that finished at
- * once (UCS_OK, UCS_ERR_MESSAGE_TRUNCATED), or UCS_ERR_NO_MEMORY. */
-static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
-                                  gpucx_slot_t *slot)
+/* Whether a kept message m goes to Python for a buffer of type mt (see
+ * gpucx_am_post_t): eager data into device memory that fits. */
+static inline int gpucx__am_to_python(const gpucx_am_msg_t *m, size_t len,
+                                      int mt)
+{
+    return !GPUCX__AM_HOST(mt) && !(m->flags & UCP_AM_RECV_ATTR_FLAG_RNDV) &&
+           m->length <= len;
+}
+
+/* Post buf (memory type mt) for the next message of reg's id; a kept
+ * message is received at once.  Returns UCS_INPROGRESS, the status of a
+ * receive that finished at once (UCS_OK, UCS_ERR_MESSAGE_TRUNCATED),
+ * UCS_ERR_NO_MEMORY, or GPUCX_AM_COPY_IN: a kept eager message for a
+ * device buffer, moved to *out (nothing posted; the slot untouched):
+ * Python copies its data and gives it back with gpucx_am_release. */
+static ucs_status_t gpucx_am_post_mt(gpucx_am_reg_t *reg, void *buf,
+                                     size_t len, int mt, gpucx_slot_t *slot,
+                                     gpucx_am_msg_t *out)
 {
     gpucx_am_state_t *st = reg->state;
     gpucx_am_msg_t    m;
@@ -719,15 +781,40 @@ static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
     pthread_mutex_lock(&st->lock);
     if (gpucx__am_kept_pop(reg, &m)) {
         pthread_mutex_unlock(&st->lock);
-        return gpucx__am_take(st, &m, buf, len, slot);
+        if (gpucx__am_to_python(&m, len, mt)) {
+            *out = m;
+            return (ucs_status_t)GPUCX_AM_COPY_IN;
+        }
+        return gpucx__am_take(st, &m, buf, len, mt, slot);
     }
     if (!gpucx__am_posts_reserve(reg, 1)) {
         pthread_mutex_unlock(&st->lock);
         return UCS_ERR_NO_MEMORY;
     }
-    gpucx__am_posts_push(reg, buf, len, slot, NULL);
+    gpucx__am_posts_push(reg, buf, len, mt, slot, NULL);
     pthread_mutex_unlock(&st->lock);
     return UCS_INPROGRESS;
+}
+
+/* gpucx_am_post_mt for host memory (the bench loops use it). */
+static ucs_status_t gpucx_am_post(gpucx_am_reg_t *reg, void *buf, size_t len,
+                                  gpucx_slot_t *slot)
+{
+    return gpucx_am_post_mt(reg, buf, len, UCS_MEMORY_TYPE_HOST, slot, NULL);
+}
+
+/* Finish member i of g with status and length (Python, after copying a
+ * message gpucx_am_post_group handed over). */
+static void gpucx_am_member_finish(gpucx_am_group_t *g, gpucx_slot_t *m,
+                                   ucs_status_t status, size_t length)
+{
+    gpucx_am_state_t *st = g->reg->state;
+
+    pthread_mutex_lock(&st->lock);
+    m->kind   = 0;
+    m->length = length;
+    gpucx__am_member_done(g, m, status);
+    pthread_mutex_unlock(&st->lock);
 }
 
 /* The payload sizes of a group's n member slots, into out[0..n): the
@@ -743,45 +830,66 @@ static void gpucx_am_group_lengths(const gpucx_slot_t *members, size_t n,
     }
 }
 
-/* Post bufs[0..n) (sizes lens[], member slots members[]) for the next n
- * messages of reg's id, in order, behind g's one slot.  nbufs is n, or 1:
- * then bufs[0] (lens[0]) is posted n times, which spares the caller
- * building n-entry arrays for a stream of messages into one buffer.
- * Returns UCS_INPROGRESS, UCS_OK for n == 0, or UCS_ERR_NO_MEMORY (nothing
- * posted). */
+/* Post bufs[0..n) (sizes lens[], memory types mts[] or NULL for host
+ * memory, member slots members[]) for the next n messages of reg's id, in
+ * order, behind g's one slot.  nbufs is n, or 1: then bufs[0] (lens[0],
+ * mts[0]) is posted n times, which spares the caller building n-entry
+ * arrays for a stream of messages into one buffer.  Posting starts at
+ * member *at (0 on the first call, which sets g up).  Returns
+ * UCS_INPROGRESS, UCS_OK for n == 0, UCS_ERR_NO_MEMORY (nothing more
+ * posted), or GPUCX_AM_COPY_IN: member *at takes a kept eager message for
+ * device memory, moved to *out; Python copies it, finishes the member
+ * with gpucx_am_member_finish and calls again from *at + 1. */
 static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
                                         gpucx_am_group_t *g, void **bufs,
-                                        const size_t *lens, size_t nbufs,
-                                        gpucx_slot_t *members, size_t n)
+                                        const size_t *lens, const int *mts,
+                                        size_t nbufs, gpucx_slot_t *members,
+                                        size_t n, size_t *at,
+                                        gpucx_am_msg_t *out)
 {
     gpucx_am_state_t *st   = reg->state;
     size_t            step = (nbufs == 1) ? 0 : 1;
-    size_t            i;
+    size_t            i    = *at;
 
-    g->reg         = reg;
-    g->pending     = n;
-    g->error       = UCS_OK;
-    g->slot.req    = NULL;
-    g->slot.length = 0;
-    if (n == 0) {
-        g->slot.kind   = 0;
-        g->slot.status = UCS_OK;
-        return UCS_OK;
+    if (i == 0) {
+        g->reg         = reg;
+        g->pending     = n;
+        g->error       = UCS_OK;
+        g->slot.req    = NULL;
+        g->slot.length = 0;
+        if (n == 0) {
+            g->slot.kind   = 0;
+            g->slot.status = UCS_OK;
+            return UCS_OK;
+        }
     }
     pthread_mutex_lock(&st->lock);
-    if (!gpucx__am_posts_reserve(reg, n)) {
+    if (!gpucx__am_posts_reserve(reg, n - i)) {
+        if (i == 0) {
+            pthread_mutex_unlock(&st->lock);
+            g->slot.kind   = 0;
+            g->slot.status = UCS_ERR_NO_MEMORY;
+            return UCS_ERR_NO_MEMORY;
+        }
+        /* The members left fail; the group completes once the others do. */
+        for (; i < n; i++) {
+            members[i].req  = NULL;
+            members[i].kind = 0;
+            gpucx__am_member_done(g, &members[i], UCS_ERR_NO_MEMORY);
+        }
         pthread_mutex_unlock(&st->lock);
-        g->slot.kind   = 0;
-        g->slot.status = UCS_ERR_NO_MEMORY;
         return UCS_ERR_NO_MEMORY;
     }
-    g->slot.kind   = GPUCX_SLOT_AM_GROUP;
-    g->slot.status = UCS_INPROGRESS;
-    for (i = 0; i < n; i++) {
+    if (i == 0) {
+        g->slot.kind   = GPUCX_SLOT_AM_GROUP;
+        g->slot.status = UCS_INPROGRESS;
+    }
+    for (; i < n; i++) {
         gpucx_am_msg_t m;
+        int            mt = mts != NULL ? mts[i * step] : UCS_MEMORY_TYPE_HOST;
 
         if (!gpucx__am_kept_pop(reg, &m)) {
-            gpucx__am_posts_push(reg, bufs[i * step], lens[i * step],
+            gpucx__am_posts_push(reg, bufs[i * step], lens[i * step], mt,
                                  &members[i], g);
             continue;
         }
@@ -790,14 +898,20 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
         members[i].req    = NULL;
         members[i].kind   = 0;
         pthread_mutex_unlock(&st->lock);
+        if (gpucx__am_to_python(&m, lens[i * step], mt)) {
+            *at  = i;
+            *out = m;
+            return (ucs_status_t)GPUCX_AM_COPY_IN;
+        }
         if (!gpucx__am_member_recv(st, g, &members[i], bufs[i * step],
-                                   lens[i * step], m.data, m.length,
+                                   lens[i * step], mt, m.data, m.length,
                                    m.flags)) {
             gpucx_am_release(st->worker, &m);
         }
         pthread_mutex_lock(&st->lock);
     }
     pthread_mutex_unlock(&st->lock);
+    *at = n;
     return UCS_INPROGRESS;
 }
 

@@ -585,6 +585,13 @@ class AmBw(_AmBase):
     perftest = "ucp_am_bw"
     latency_note = "time per message"
 
+    def _by_handler(self) -> bool:
+        """Only ``--api python`` receives through the handler: posted
+        receives take device memory too (a rendezvous payload zero copy, an
+        eager one unpacked by UCX), so the C loop's receiver runs no Python
+        per message whatever the memory."""
+        return self.p.api == "python"
+
     def prepare(self) -> dict:
         self.rbuf = self.buffer()
         self.posted: list = []
@@ -599,22 +606,18 @@ class AmBw(_AmBase):
         return {}
 
     def _handle_in(self) -> None:
-        """The handler of the receiving side: every payload (``--api
-        python``, as a program receives) or, for device memory under the C
-        loop, every rendezvous payload (eager ones are dropped unread, as
-        ``ucx_perftest``'s handler drops them) is received into the buffer
-        with ``receive_into``, posted in the handler as ``ucx_perftest``'s
+        """The handler of the receiving side (``--api python``, as a
+        program receives): every payload is received into the buffer with
+        ``receive_into``, posted in the handler as ``ucx_perftest``'s
         handler posts its receive; ``_serve_handler`` waits for them in
         order.  Set before the client may send."""
-        every = self.p.api == "python"
         pending: collections.deque = collections.deque()
         self.pending, self.arrived = pending, 0
         rbuf = self.rbuf
 
         def handler(msg) -> None:
             self.arrived += 1
-            if every or msg.is_rndv:
-                pending.append(msg.receive_into(rbuf))
+            pending.append(msg.receive_into(rbuf))
 
         self.s.worker.set_am_handler(AM_ID, handler)
 

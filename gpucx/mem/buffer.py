@@ -227,6 +227,14 @@ def as_buffer(obj: Any, writable: bool = False, *, stream: int | None = None) ->
         The memory carries a stream and no CUDA layer is loaded to
         synchronize it (from the default stream-sync hook).
     """
+    buf = _read(obj, writable, stream)
+    if buf.stream is not None:
+        _stream_sync(buf.stream, buf)
+    return buf
+
+
+def _read(obj: Any, writable: bool, stream: int | None) -> Buffer:
+    """:func:`as_buffer` without the stream-sync hook."""
     if type(obj) in _BUFFER_TYPES:
         return Buffer(**_bufproto.read(obj, writable))
     try:
@@ -243,10 +251,7 @@ def as_buffer(obj: Any, writable: bool = False, *, stream: int | None = None) ->
                     "neither the buffer protocol, __cuda_array_interface__ nor "
                     "DLPack"
                 ) from None
-    buf = Buffer(**fields)
-    if buf.stream is not None:
-        _stream_sync(buf.stream, buf)
-    return buf
+    return Buffer(**fields)
 
 
 _from_buffer = ffi.from_buffer
@@ -256,7 +261,7 @@ _VOID_P = ffi.typeof("void *")
 
 
 def acquire(
-    obj: Any, writable: bool, stream: int | None = None
+    obj: Any, writable: bool, stream: Any = None, defer: bool = False
 ) -> tuple[Any, int, int, object]:
     """Hot-path form of :func:`as_buffer` for cffi calls.
 
@@ -269,6 +274,15 @@ def acquire(
     stream : object, optional
         As for :func:`as_buffer`, or any stream object
         :func:`gpucx.mem.cuda.as_stream` accepts.
+    defer : bool, optional
+        For callers that pass the CUDA door next (``cuda.door`` /
+        ``cuda.ready`` with this call's ``keepalive``): CUDA memory whose
+        producer stream needs synchronizing comes back with a
+        :class:`gpucx.mem.cuda.Deferred` keepalive instead of being
+        synchronized here, and the door waits for that stream in the
+        owner's context it makes current anyway (one context query for
+        both).  Only while the default stream-sync hook is installed; a
+        hook set with :func:`set_stream_sync_hook` always runs here.
 
     Returns
     -------
@@ -280,7 +294,7 @@ def acquire(
         A ``ucs_memory_type_t`` value.
     keepalive : object
         Hold it until UCX is done with the memory (for DLPack, dropping it
-        runs the producer's deleter).
+        runs the producer's deleter); with ``defer``, pass it to the door.
 
     Raises
     ------
@@ -305,5 +319,13 @@ def acquire(
         from .cuda import as_stream
 
         stream = as_stream(stream)
-    buf = as_buffer(obj, writable, stream=stream)
-    return _cast(_VOID_P, buf.ptr), buf.nbytes, int(buf.memory_type), buf.owner
+    buf = _read(obj, writable, stream)
+    owner = buf.owner
+    if buf.stream is not None:
+        if defer and buf.memory_type in CUDA_TYPES and _stream_sync is _no_stream_sync:
+            from .cuda import Deferred
+
+            owner = Deferred(owner, buf.stream)
+        else:
+            _stream_sync(buf.stream, buf)
+    return _cast(_VOID_P, buf.ptr), buf.nbytes, int(buf.memory_type), owner

@@ -55,6 +55,7 @@ __all__ = [
     "on_device",
     "enter",
     "check",
+    "Deferred",
     "LEGACY_STREAM",
     "PER_THREAD_STREAM",
 ]
@@ -104,6 +105,7 @@ class Driver:
             "cuDeviceGetCount": [ctypes.POINTER(i)],
             "cuDeviceGet": [ctypes.POINTER(i), i],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
+            "cuDevicePrimaryCtxGetState": [i, ctypes.POINTER(u), ctypes.POINTER(i)],
             "cuCtxGetCurrent": [ctypes.POINTER(vp)],
             "cuCtxSetCurrent": [vp],
             "cuCtxPushCurrent_v2": [vp],
@@ -222,6 +224,20 @@ class Driver:
                 ctx = self._primary[device] = out.value or 0
             return ctx
 
+    def primary_active(self, device: int) -> bool:
+        """Whether the device's primary context is active
+        (``cuDevicePrimaryCtxGetState``); creates nothing."""
+        dev = ctypes.c_int()
+        self._check(self._lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+        flags, active = ctypes.c_uint(), ctypes.c_int()
+        self._check(
+            self._lib.cuDevicePrimaryCtxGetState(
+                dev.value, ctypes.byref(flags), ctypes.byref(active)
+            ),
+            "cuDevicePrimaryCtxGetState",
+        )
+        return bool(active.value)
+
     def set_current(self, ctx: int) -> None:
         """``cuCtxSetCurrent``."""
         self._check(self._lib.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
@@ -332,18 +348,20 @@ def set_driver(drv: Any, problem_text: str | None = None) -> Any:
     ``drv=None`` with ``problem_text`` says there is no driver; pass the
     previous value back to restore it.
     """
-    global _driver, _driver_problem
+    global _driver, _driver_problem, _sole
     previous = (_driver, _driver_problem)
     _driver = drv
     _driver_problem = problem_text
+    _sole = None
     _events.forget()
     return previous
 
 
 def restore_driver(previous: Any) -> None:
     """Undo :func:`set_driver` with the value it returned."""
-    global _driver, _driver_problem
+    global _driver, _driver_problem, _sole
     _driver, _driver_problem = previous
+    _sole = None
     _events.forget()
 
 
@@ -462,6 +480,31 @@ def as_stream(stream: Any) -> int | None:
     return handle or LEGACY_STREAM
 
 
+class Deferred:
+    """The keepalive :func:`gpucx.mem.buffer.acquire` returns with
+    ``defer=True`` for device memory whose producer stream it did not
+    synchronize: :func:`prepare` (the :class:`door`, :func:`ready`) waits
+    for ``stream`` once the owner's context is current, so that one
+    operation asks the driver for the current context once.
+
+    Attributes
+    ----------
+    owner : object
+        What keeps the memory alive (see :class:`gpucx.mem.buffer.Buffer`).
+    stream : int
+        The producer stream still to wait for.
+    """
+
+    __slots__ = ("owner", "stream")
+
+    def __init__(self, owner: Any, stream: int):
+        self.owner = owner
+        self.stream = stream
+
+    def __repr__(self) -> str:
+        return f"Deferred(stream={self.stream:#x}, owner={self.owner!r})"
+
+
 class _Events:
     """Free events per context, so no event is created per operation."""
 
@@ -497,7 +540,10 @@ def _need_driver(what: str) -> Any:
 
 
 def wait_stream(
-    stream: int, progress: Callable[[], object] | None = None, what: str = "stream"
+    stream: int,
+    progress: Callable[[], object] | None = None,
+    what: str = "stream",
+    ctx: int = 0,
 ) -> None:
     """Return when the work queued on ``stream`` before the call has finished.
 
@@ -509,6 +555,9 @@ def wait_stream(
     this one waits.  Without ``progress`` it blocks in
     ``cuEventSynchronize``.
 
+    ``ctx``, when not 0, is the context the caller knows to be current (it
+    just made it so), which spares asking the driver again.
+
     Raises
     ------
     gpucx.UnsupportedError
@@ -518,7 +567,8 @@ def wait_stream(
         destroyed stream).
     """
     drv = _need_driver(what)
-    ctx = drv.current_context()
+    if ctx == 0:
+        ctx = drv.current_context()
     if ctx == 0:
         ctx = drv.primary_context(current_device())
         drv.set_current(ctx)
@@ -547,13 +597,13 @@ def sync_stream(stream: int, buf: Any) -> None:
     Makes the buffer's device current when the driver knows the pointer,
     then waits for the work queued on ``stream`` before the call.
     """
-    token = None
+    pushed, ctx = False, 0
     if buf.memory_type is not MemoryType.HOST and buf.nbytes:
-        token = _make_current(_need_driver(buf.protocol), buf.ptr, buf.device)
+        pushed, ctx = _enter(_need_driver(buf.protocol), buf.ptr, buf.device)
     try:
-        wait_stream(stream, None, buf.protocol)
+        wait_stream(stream, None, buf.protocol, ctx)
     finally:
-        if token:
+        if pushed:
             _need_driver(buf.protocol).pop()
 
 
@@ -601,25 +651,73 @@ def device_of(ptr: int) -> int:
     return int(_need_driver("pointer").pointer(ptr)[1])
 
 
-def _make_current(drv: Any, ptr: int, device: int) -> bool:
-    """Make the owner of ``ptr`` current; True when a context was pushed."""
-    want = 0
+# The primary context of the only device of a one-device host, once known
+# and active (0: not such a host, or not known); reset with the driver.
+_sole: int | None = None
+
+
+def _sole_primary(drv: Any) -> int:
+    """The one device's primary context on a one-device host, else 0.
+
+    Decided once per driver, at the first device-memory operation made
+    with a context current: the device count and the primary context's
+    state (``cuDevicePrimaryCtxGetState``) are asked once; the primary is
+    retained only when it is already active (so gpucx never creates one
+    here), and kept for the process, as :meth:`Driver.primary_context`
+    keeps every primary it retains.
+    """
+    global _sole
+    sole = _sole
+    if sole is None:
+        sole = 0
+        active = getattr(drv, "primary_active", None)
+        if active is not None and drv.device_count() == 1 and active(0):
+            sole = drv.primary_context(0)
+        _sole = sole
+    return sole
+
+
+def _enter(drv: Any, ptr: int, device: int) -> tuple[bool, int]:
+    """Make the owner of ``ptr`` (or ``device``'s primary context) current.
+
+    Returns ``(pushed, ctx)``: whether a context was pushed (pop it after),
+    and the context current now (0 when none is and none was wanted).
+
+    Driver calls: one ``cuCtxGetCurrent``, then one
+    ``cuPointerGetAttributes`` unless the answer is known: on a host with
+    one device whose primary context is current, device memory is taken
+    to be that context's (every allocator of CuPy, Numba, PyTorch and RMM
+    allocates in the primary context; memory of a context made with
+    ``cuCtxCreate`` is found by the query whenever that context, not the
+    primary, is current).  Nothing about a pointer is cached between
+    operations: memory may be freed and its address reused by another
+    device's allocation.
+    """
+    have = drv.current_context()
     if ptr:
+        if have and have == (_sole if _sole is not None else _sole_primary(drv)):
+            return False, have
         want = drv.pointer(ptr)[2]
+    else:
+        want = 0
     if not want:
         if device < 0:
-            return False
+            return False, have
         want = drv.primary_context(device)
-    have = drv.current_context()
     if have == want:
-        return False
+        return False, have
     if have == 0:
         # Nothing current in this thread (a progress thread, a fresh thread):
         # leave the owner current, as cudaSetDevice would.
         drv.set_current(want)
-        return False
+        return False, want
     drv.push(want)
-    return True
+    return True, want
+
+
+def _make_current(drv: Any, ptr: int, device: int) -> bool:
+    """Make the owner of ``ptr`` current; True when a context was pushed."""
+    return _enter(drv, ptr, device)[0]
 
 
 def enter(ptr: int, device: int = -1) -> bool:
@@ -668,7 +766,14 @@ class _OnDevice:
             driver().pop()
 
 
-def prepare(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> bool:
+def prepare(
+    worker: Any,
+    ptr: Any,
+    memory_type: int,
+    stream: Any,
+    what: str,
+    keep: Any = None,
+) -> bool:
     """Get ready to post an operation on ``ptr``; call before posting.
 
     For CUDA memory: check that the worker's context can move it, make the
@@ -687,6 +792,17 @@ def prepare(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> 
         As for :func:`as_stream`.
     what : str
         The operation, for error messages.
+    keep : object, optional
+        The keepalive :func:`gpucx.mem.buffer.acquire` returned with
+        ``defer=True``: when it is a :class:`~gpucx.mem.buffer.Deferred`,
+        the producer's stream it carries (CAI v3 ``stream``, DLPack
+        consumer stream) is waited for here too, in the owner's context
+        this call made current, before the operation is posted.
+
+    Driver calls for device memory whose owner is current and streams that
+    are idle: one ``cuCtxGetCurrent``, one ``cuPointerGetAttributes``
+    (none on a one-device host with its primary context current, see
+    :func:`_enter`) and one ``cuStreamQuery`` per stream to wait for.
 
     Returns
     -------
@@ -701,18 +817,20 @@ def prepare(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> 
     TypeError, ValueError
         For a bad ``stream`` (see :func:`as_stream`).
     """
-    handle = as_stream(stream)
-    pushed = False
+    handle = None if stream is None else as_stream(stream)
+    held = keep.stream if type(keep) is Deferred else None
+    pushed, ctx = False, 0
     if memory_type in _CUDA_INTS:
         check(worker._context, what)
         if not isinstance(ptr, int):
-            from .._lib import ffi
-
-            ptr = int(ffi.cast("uintptr_t", ptr))
-        pushed = _make_current(driver(), ptr, -1)
-    if handle is not None:
+            ptr = int(_ffi().cast("uintptr_t", ptr))
+        pushed, ctx = _enter(driver(), ptr, -1)
+    if handle is not None or held is not None:
         try:
-            wait_stream(handle, worker.progress, what)
+            if held is not None:
+                wait_stream(held, worker.progress, what, ctx)
+            if handle is not None and handle != held:
+                wait_stream(handle, worker.progress, what, ctx)
         except BaseException:
             if pushed:
                 driver().pop()
@@ -728,6 +846,7 @@ def copy_in(
     nbytes: int,
     stream: Any,
     what: str,
+    keep: Any = None,
 ) -> None:
     """Copy ``nbytes`` of host memory at ``src`` into CUDA memory at ``dst``.
 
@@ -741,10 +860,9 @@ def copy_in(
     gpucx.UnsupportedError
         As for :func:`prepare`.
     """
-    pushed = prepare(worker, dst, memory_type, stream, what)
+    pushed = prepare(worker, dst, memory_type, stream, what, keep)
     try:
-        from .._lib import ffi
-
+        ffi = _ffi()
         driver().memcpy(
             int(ffi.cast("uintptr_t", dst)), int(ffi.cast("uintptr_t", src)), nbytes
         )
@@ -771,9 +889,15 @@ class door:
     __slots__ = ("_args", "_pushed")
 
     def __init__(
-        self, worker: Any, ptr: Any, memory_type: int, stream: Any, what: str
+        self,
+        worker: Any,
+        ptr: Any,
+        memory_type: int,
+        stream: Any,
+        what: str,
+        keep: Any = None,
     ) -> None:
-        self._args = (worker, ptr, memory_type, stream, what)
+        self._args = (worker, ptr, memory_type, stream, what, keep)
         self._pushed = False
 
     def __enter__(self) -> None:
@@ -785,9 +909,18 @@ class door:
             driver().pop()
 
 
-def ready(worker: Any, ptr: Any, memory_type: int, stream: Any, what: str) -> None:
+def ready(
+    worker: Any, ptr: Any, memory_type: int, stream: Any, what: str, keep: Any = None
+) -> None:
     """Pass the :class:`door` without posting through it: check that the
-    context can move ``ptr``'s memory and wait for ``stream``, leaving no
-    context pushed (for operations that post later, or not to UCX)."""
-    with door(worker, ptr, memory_type, stream, what):
-        pass
+    context can move ``ptr``'s memory and wait for ``stream`` (and the
+    stream a :class:`~gpucx.mem.buffer.Deferred` ``keep`` carries), leaving
+    no context pushed (for operations that post later, or not to UCX)."""
+    if prepare(worker, ptr, memory_type, stream, what, keep):
+        driver().pop()
+
+
+def _ffi() -> Any:
+    from .._lib import ffi
+
+    return ffi

@@ -51,6 +51,7 @@ from ..errors import (
 )
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES, _CHAR_ARRAY, _from_buffer, acquire
+from ..mem.cuda import Deferred as _Deferred
 from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
@@ -485,7 +486,7 @@ class AmMessage:
             except (ValueError, BufferError, TypeError):
                 ptr, n, mt, keep = acquire(buf, True, stream)  # explains
         else:
-            ptr, n, mt, keep = acquire(buf, True, stream)
+            ptr, n, mt, keep = acquire(buf, True, stream, True)
         nbytes = self.nbytes
         if n < nbytes:
             exc = MessageTruncatedError(
@@ -506,7 +507,7 @@ class AmMessage:
                 self._taken = True
                 _recv_msg(w._h, rec, ptr, mt, slot)
             else:
-                with _cuda.door(w, ptr, mt, stream, _RECV):
+                with _cuda.door(w, ptr, mt, stream, _RECV, keep):
                     self._taken = True
                     _recv_msg(w._h, rec, ptr, mt, slot)
             am = self._am
@@ -522,12 +523,12 @@ class AmMessage:
             )
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
-            if stream is not None:
-                _cuda.ready(w, ptr, mt, stream, _RECV)
+            if stream is not None or type(keep) is _Deferred:
+                _cuda.ready(w, ptr, mt, stream, _RECV, keep)
             ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
-            _cuda.copy_in(w, ptr, mt, rec.data, nbytes, stream, _RECV)
+            _cuda.copy_in(w, ptr, mt, rec.data, nbytes, stream, _RECV, keep)
         else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "
@@ -884,7 +885,7 @@ def am_send(
     _check_id(am_id)
     flags = _flags(reply, proto)
     hdr, hn = _header(ep, header)
-    ptr, n, mt, keep = acquire(buf, False, stream)
+    ptr, n, mt, keep = acquire(buf, False, stream, True)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = new_slot() if w._multi else w._sslot
@@ -892,7 +893,7 @@ def am_send(
             w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
         )
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND):
+        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
             slot = new_slot() if w._multi else w._sslot
             st = lib.gpucx_am_send_wait(
                 w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
@@ -949,12 +950,12 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
                 w._sslot = new_slot()
             return Request(w, slot, keep, _SEND, None, ep)
     hdr, hn = _header(ep, header)
-    ptr, n, mt, keep = acquire(buf, False, stream)
+    ptr, n, mt, keep = acquire(buf, False, stream, True)
     if mt == _HOST and stream is None:
         slot = new_slot() if w._multi else w._sslot
         st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND):
+        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
             slot = new_slot() if w._multi else w._sslot
             st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     return posted(w, slot, st, keep, _SEND, ep)
@@ -977,8 +978,46 @@ def _recv_reg(am: _AmWorker, am_id: int):
     return reg
 
 
+def _recv_target(worker, buf, stream, what: str):
+    """``(ptr, nbytes, memory_type, keepalive)`` of a posted receive's
+    buffer: writable host or CUDA memory.  Device memory passes the CUDA
+    door now (the context can move it, its owner is made current when
+    none is, its producer stream and ``stream`` are waited for): UCX
+    writes it later, inside progress."""
+    ptr, n, mt, keep = acquire(buf, True, stream, True)
+    if mt != _HOST:
+        if mt not in _CUDA_TYPES:
+            raise UnsupportedError(
+                f"{what}: posted receives take host or CUDA memory, not "
+                f"{_memtype_name(mt)} memory"
+            )
+        _cuda.ready(worker, ptr, mt, stream, _RECV, keep)
+    elif stream is not None:
+        _cuda.ready(worker, ptr, mt, stream, _RECV)
+    return ptr, n, mt, keep
+
+
+def _memtype_name(mt: int) -> str:
+    from ..mem.memtype import MemoryType
+
+    try:
+        return MemoryType(mt).name
+    except ValueError:
+        return f"memory type {mt}"
+
+
+def _copy_kept(worker, msg, ptr, mt) -> int:
+    """Copy the kept eager message C handed over (``GPUCX_AM_COPY_IN``)
+    into device memory at ``ptr`` and give its data back; its length."""
+    try:
+        _cuda.copy_in(worker, ptr, mt, msg.data, msg.length, None, _RECV)
+    finally:
+        lib.gpucx_am_release(worker._h, msg)
+    return msg.length
+
+
 def _posted_target(worker, am_id, buf, stream, what: str):
-    """Check a posted receive: ``(reg, ptr, nbytes, keepalive)``."""
+    """Check a posted receive: ``(reg, ptr, nbytes, memory_type, keepalive)``."""
     if worker._h is None:
         raise_closed(worker)
     am = worker._am
@@ -986,15 +1025,8 @@ def _posted_target(worker, am_id, buf, stream, what: str):
         _check_id(am_id)
         if not am.enabled:
             _no_am()
-    ptr, n, mt, keep = acquire(buf, True, stream)
-    if mt != _HOST:
-        raise UnsupportedError(
-            f"{what}: posted receives take host memory; receive device memory "
-            "with a handler and AmMessage.receive_into"
-        )
-    if stream is not None:
-        _cuda.ready(worker, ptr, mt, stream, _RECV)
-    return _recv_reg(am, am_id), ptr, n, keep
+    ptr, n, mt, keep = _recv_target(worker, buf, stream, what)
+    return _recv_reg(am, am_id), ptr, n, mt, keep
 
 
 def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
@@ -1014,6 +1046,20 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     endpoint of a matched message are not kept (use a handler when you need
     them).
 
+    ``buf`` may be host or CUDA memory.  A CUDA buffer passes the CUDA door
+    when posted (the context can move CUDA memory; the owning device's
+    context is made current if the thread has none; a CAI v3 producer
+    stream and ``stream`` are waited for), and UCX writes it with the
+    memory type given: a rendezvous payload zero copy (``cuda_ipc``,
+    GPUDirect), an eager one unpacked by UCX's own CUDA copy, in the UCX
+    callback, with no Python per message either way.  The one exception
+    is an eager message already kept when a CUDA buffer is posted: gpucx
+    copies it in with the CUDA driver when posting (UCX cannot unpack
+    every kept eager message safely outside its callback).  UCX touches
+    device memory inside ``progress()``: progress the worker from a thread
+    where the device's context is current (gpucx leaves the owner current
+    when posting from a thread that had none).
+
     Returns
     -------
     Request
@@ -1030,15 +1076,23 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     BufferError
         If ``buf`` is read-only or not contiguous.
     gpucx.UnsupportedError
-        For memory other than host memory (receive device memory with a
-        handler and :meth:`AmMessage.receive_into`), or a context without
-        the ``"am"`` feature.
+        For memory other than host and CUDA memory, CUDA memory on a
+        context that cannot move it (the message says what is missing), a
+        ``stream`` without a CUDA driver, or a context without the ``"am"``
+        feature.
     gpucx.ClosedError
         If the worker is closed.
     """
-    reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv_nb")
+    reg, ptr, n, mt, keep = _posted_target(worker, am_id, buf, stream, "am_recv_nb")
     slot = _new_slot()
-    st = lib.gpucx_am_post(reg, ptr, n, slot)
+    if mt == _HOST:
+        st = lib.gpucx_am_post(reg, ptr, n, slot)
+    else:
+        out = ffi.new(_MSG)
+        st = lib.gpucx_am_post_mt(reg, ptr, n, mt, slot, out)
+        if st == _COPY_IN:
+            slot.length = _copy_kept(worker, out, ptr, mt)
+            slot.status = _OK
     if st == _NO_MEMORY:
         check(st, "am_recv_nb")
     # Pending, or finished at once with a kept message (OK or truncated).
@@ -1062,9 +1116,14 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`am_recv_nb`.
     """
-    reg, ptr, n, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
+    reg, ptr, n, mt, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
     slot = _new_slot() if worker._multi else worker._sslot
-    st = lib.gpucx_am_recv_wait(worker._state, reg, ptr, n, slot, worker._spin_ns)
+    out = ffi.NULL if mt == _HOST else ffi.new(_MSG)
+    st = lib.gpucx_am_recv_wait(
+        worker._state, reg, ptr, n, mt, slot, out, worker._spin_ns
+    )
+    if st == _COPY_IN:
+        return _copy_kept(worker, out, ptr, mt)
     if st == _INPROGRESS:
         st = block(worker, slot, timeout, keep)
     if st != _OK:
@@ -1075,6 +1134,9 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
 
 
 _SLOTS = ffi.typeof("gpucx_slot_t[]")
+_MSG = ffi.typeof("gpucx_am_msg_t *")
+_MTS = ffi.typeof("int[]")
+_COPY_IN = lib.GPUCX_AM_COPY_IN
 _GROUP = ffi.typeof("gpucx_am_group_t *")
 _PTRS = ffi.typeof("void *[]")
 _SIZES = ffi.typeof("size_t[]")
@@ -1102,8 +1164,8 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     Parameters
     ----------
     bufs : sequence of buffers
-        Writable, contiguous host memory each (the same buffer may appear
-        more than once).
+        Writable, contiguous host or CUDA memory each (the same buffer may
+        appear more than once; CUDA buffers as for :func:`am_recv_nb`).
     stream : stream object or int, optional
         As for :func:`am_recv_nb`.
 
@@ -1150,35 +1212,51 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     for i, buf in enumerate(bufs):
         if id(buf) in seen:
             continue
-        ptr, nbytes, keep = _host_buffer(
-            buf,
-            stream,
-            "am_recv_many_nb: buffer {}",
-            i,
-            "posted receives take host memory; receive device memory with a "
-            "handler and AmMessage.receive_into",
-        )
-        seen[id(buf)] = (ptr, nbytes)
+        try:
+            ptr, nbytes, mt, keep = _recv_target(worker, buf, stream, "am_recv_many_nb")
+        except (TypeError, ValueError, BufferError, UCXError) as exc:
+            exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
+            raise
+        seen[id(buf)] = (ptr, nbytes, mt)
         keeps.append((buf, keep))
         if len(seen) == len(ids):
             break
     if len(seen) == 1:
-        ((ptr, nbytes),) = seen.values()
-        ptrs = ffi.new(_PTRS, [ptr])
-        lens = ffi.new(_SIZES, [nbytes])
+        got = list(seen.values())
         nbufs = 1
     else:
         got = [seen[id(buf)] for buf in bufs]
-        ptrs = ffi.new(_PTRS, [g[0] for g in got] or 1)
-        lens = ffi.new(_SIZES, [g[1] for g in got] or 1)
         nbufs = n
-    if stream is not None:
+    ptrs = ffi.new(_PTRS, [g[0] for g in got] or 1)
+    lens = ffi.new(_SIZES, [g[1] for g in got] or 1)
+    device = any(g[2] != _HOST for g in got)
+    mts = ffi.new(_MTS, [g[2] for g in got]) if device else ffi.NULL
+    if stream is not None and not device:
         _cuda.ready(worker, ffi.NULL, _HOST, stream, _RECV)
     reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)
-    st = lib.gpucx_am_post_group(reg, group, ptrs, lens, nbufs, members, n)
-    if st not in (lib.UCS_INPROGRESS, lib.UCS_OK):
+    at = ffi.new("size_t *")
+    out = ffi.new(_MSG) if device else ffi.NULL
+    args = (reg, group, ptrs, lens, mts, nbufs, members, n, at, out)
+    st = lib.gpucx_am_post_group(*args)
+    while st == _COPY_IN:
+        # A kept eager message for device memory (see _copy_kept); the
+        # members before it are posted, the ones after it not yet.
+        i = at[0]
+        g = got[0] if nbufs == 1 else got[i]
+        try:
+            length, done = _copy_kept(worker, out, g[0], g[2]), _OK
+        except Exception:
+            # The members around it are posted and belong to the request
+            # now: this one fails, the request reports it when waited.
+            length, done = out.length, lib.UCS_ERR_IO_ERROR
+        lib.gpucx_am_member_finish(group, members + i, done, length)
+        at[0] = i + 1
+        st = lib.gpucx_am_post_group(*args)
+    if st not in (lib.UCS_INPROGRESS, lib.UCS_OK) and at[0] == 0:
+        # Nothing posted.  Past the first member, the members left failed
+        # in C and the request reports it.
         check(st, "am_recv_many_nb")
     if n == 0:
         members = ffi.new(_SLOTS, 0)

@@ -33,7 +33,7 @@ from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
-from ..mem.buffer import as_buffer
+from ..mem.buffer import _read
 from ..mem.memtype import CUDA_INTS as _CUDA_INTS
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
@@ -186,7 +186,10 @@ def _prepare(ep, arr):
     if ep._h is None:
         raise_closed(ep)
     obj, typestr, shape = _describe(arr)
-    buf = as_buffer(obj)
+    # The memory type only: the producer stream is waited for once, in the
+    # send's CUDA door (as_buffer would wait here too, with driver calls of
+    # its own).
+    buf = _read(obj, False, None)
     return obj, _pack(typestr, shape, int(buf.memory_type))
 
 

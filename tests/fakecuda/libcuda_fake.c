@@ -43,6 +43,9 @@ static int memcpys;
 static int streams_idle;  /* what cuStreamQuery answers: 0 = work pending */
 static int stream_queries;
 
+static int ndevices = 2;     /* what cuDeviceGetCount answers (1 or 2) */
+static int ptr_queries;      /* cuPointerGetAttributes calls */
+static int ctx_queries;      /* cuCtxGetCurrent calls */
 /* -- test controls ------------------------------------------------------ */
 void fake_reset(void)
 {
@@ -55,6 +58,9 @@ void fake_reset(void)
     memcpys = 0;
     streams_idle = 0;
     stream_queries = 0;
+    ndevices = 2;
+    ptr_queries = 0;
+    ctx_queries = 0;
 }
 void fake_register(uintptr_t ptr, int dev, int managed)
 {
@@ -71,6 +77,9 @@ int fake_memcpys(void) { return memcpys; }
 int fake_depth(void) { return depth; }
 void fake_set_idle(int idle) { streams_idle = idle; }
 int fake_stream_queries(void) { return stream_queries; }
+void fake_set_devices(int n) { ndevices = n; }
+int fake_pointer_queries(void) { return ptr_queries; }
+int fake_ctx_queries(void) { return ctx_queries; }
 
 /* -- the driver API subset ------------------------------------------------ */
 CUresult cuInit(unsigned flags) { (void)flags; initialized = 1; return CUDA_SUCCESS; }
@@ -80,13 +89,13 @@ CUresult cuDriverGetVersion(int *v) { *v = 12040; return CUDA_SUCCESS; }
 CUresult cuDeviceGetCount(int *n)
 {
     if (!initialized) return CUDA_ERROR_NOT_INITIALIZED;
-    *n = 2;
+    *n = ndevices;
     return CUDA_SUCCESS;
 }
 
 CUresult cuDeviceGet(CUdevice *d, int ordinal)
 {
-    if (ordinal < 0 || ordinal > 1) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= ndevices) return CUDA_ERROR_INVALID_VALUE;
     *d = ordinal;
     return CUDA_SUCCESS;
 }
@@ -97,8 +106,18 @@ CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice d)
     return CUDA_SUCCESS;
 }
 
+/* Every primary context counts as active (the model has no other state). */
+CUresult cuDevicePrimaryCtxGetState(CUdevice d, unsigned *flags, int *active)
+{
+    if (d < 0 || d >= ndevices) return CUDA_ERROR_INVALID_VALUE;
+    *flags = 0;
+    *active = 1;
+    return CUDA_SUCCESS;
+}
+
 CUresult cuCtxGetCurrent(CUcontext *ctx)
 {
+    ctx_queries++;
     *ctx = depth ? stack[depth - 1] : NULL;
     return CUDA_SUCCESS;
 }
@@ -133,6 +152,8 @@ CUresult cuCtxGetDevice(CUdevice *d)
 CUresult cuPointerGetAttributes(unsigned n, int *attrs, void **data, CUdeviceptr p)
 {
     int i, k, found = -1;
+
+    ptr_queries++;
 
     for (k = 0; k < nptrs; k++) {
         if (ptrs[k].ptr == (uintptr_t)p) found = k;
