@@ -14,13 +14,19 @@
 # 5. CUDA IPC between two processes and CUDA stream ordering, reported on
 #    their own (tests of the cuda suite: two_processes with cuda_ipc; the
 #    stream-ordering tests);
-# 6. gpucx bench against ucx_perftest (--vs-perftest) for tag_bw, put_bw,
-#    get_bw and am_bw at GPU_CHECK_SIZES (default 1M,64M): GPU to GPU (-m cuda), GPU
-#    and host memory mapped by UCX both ways (-m cuda:ucx, -m ucx:cuda: the
-#    host memory ucx_perftest uses), and GPU with NumPy host memory
-#    (-m cuda:host: pageable, so no like-for-like ratio); then the protocols
-#    UCX picks on those paths (UCX_PROTO_INFO=y), one table per operation;
-# 7. writes one Markdown report (default benchmarks/gpu-check-report.md) with
+# 6. the machine's own copies at GPU_CHECK_SIZES (default 1M,64M): device to
+#    device, pinned and pageable host to device and back (python -m
+#    gpucx.bench.limits: cuMemcpyAsync timed with CUDA events);
+# 7. gpucx bench against ucx_perftest (--vs-perftest) for tag_bw, put_bw,
+#    get_bw and am_bw at GPU_CHECK_SIZES: GPU to GPU (-m cuda, with array_bw
+#    too), GPU and host memory mapped by UCX both ways (-m cuda:ucx, -m
+#    ucx:cuda: the host memory ucx_perftest uses), and GPU with NumPy host
+#    memory both ways (-m cuda:host, -m host:cuda: pageable, so no
+#    like-for-like ratio); each GPU row also shows its limit, the machine's
+#    copy between the same memory kinds, and the fraction of it reached;
+#    then the protocols UCX picks on those paths (UCX_PROTO_INFO=y), one
+#    table per operation;
+# 8. writes one Markdown report (default benchmarks/gpu-check-report.md) with
 #    the machine, every step's result and time, the tables, and the tail of
 #    the log of each failed step.  Logs and bench JSON go to GPU_CHECK_LOGS
 #    (default: a new $TMPDIR/gpucx-gpu-check.XXXXXX).
@@ -94,8 +100,11 @@ info_has_cuda() {
         "$GPY" -c "import json, sys; c = json.load(sys.stdin)['cuda']; sys.exit(0 if c['can_move_cuda_memory'] else 'CUDA: ' + str(c['problem']))"
 }
 pytest_cuda() { "$GPY" -m pytest -q -p no:cacheprovider -m cuda -rA "$@"; }
-bench() {   # bench MEMORY
-    "$GPY" -m gpucx.cli bench -t tag_bw,put_bw,get_bw,am_bw -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
+copy_limits() {   # the copies each GPU row of gpucx bench is set against
+    "$GPY" -m gpucx.bench.limits -s "${GPU_CHECK_SIZES:-1M,64M}" --json "$LOGS/limits.json"
+}
+bench() {   # bench MEMORY [EXTRA_TESTS]
+    "$GPY" -m gpucx.cli bench -t "tag_bw,put_bw,get_bw,am_bw${2:+,$2}" -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
 proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
@@ -130,10 +139,12 @@ if [ $? -eq 0 ]; then
     step "CUDA IPC between two processes" pytest_cuda tests/test_cuda.py -k "two_processes and ipc"
     step "CUDA stream ordering" pytest_cuda tests/test_cuda.py \
         -k "stream_ordering or recv_with_stream or lands_after or waits_for_the_stream"
-    step "gpucx bench -m cuda vs ucx_perftest" bench cuda
+    step "copy speeds of this GPU (python -m gpucx.bench.limits)" copy_limits
+    step "gpucx bench -m cuda vs ucx_perftest" bench cuda array_bw
     step "gpucx bench -m cuda:ucx vs ucx_perftest" bench cuda:ucx
     step "gpucx bench -m ucx:cuda vs ucx_perftest" bench ucx:cuda
     step "gpucx bench -m cuda:host (NumPy host memory) vs ucx_perftest" bench cuda:host
+    step "gpucx bench -m host:cuda (NumPy host memory) vs ucx_perftest" bench host:cuda
     step "UCX protocols of the GPU paths (UCX_PROTO_INFO)" protocols
 fi
 
@@ -159,7 +170,7 @@ summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)' "$1
     for s in "${STEPS[@]}"; do
         IFS='|' read -r name status secs log <<< "$s"
         case "$name" in
-            "gpucx info"*|"gpucx bench"*)
+            "gpucx info"*|"gpucx bench"*|"copy speeds"*)
                 echo; echo "## $name"; echo; echo '```text'; grep -v '^WARNING' "$log" | tail -n 40; echo '```' ;;
             "UCX protocols"*)
                 echo; echo "## $name"; echo; echo '```text'; head -n 200 "$log"; echo '```' ;;
@@ -169,7 +180,8 @@ summary() { grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)' "$1
         fi
     done
     echo
-    echo "Bench ratios: gpucx/perftest, same run (1 = the speed of ucx_perftest)."
+    echo "Bench ratios: gpucx/perftest, same run (1 = the speed of ucx_perftest);"
+    echo "of limit: gpucx / this machine's copy between the same memory kinds (gpucx.bench.limits)."
     echo "Logs and JSON: $LOGS"
 } > "$REPORT"
 echo "gpu_check: report written to $REPORT" >&2

@@ -698,4 +698,32 @@ def test_bench_cuda_vs_perftest(tmp_path, memory):
         assert r["bandwidth_gbs"] > 0
         assert r["perftest"]["bandwidth_gbs"] > 0
         assert r["ratio"] > 0
+        # The machine's copy beside each row (gpucx.bench.limits).
+        limit = r["limit"]
+        assert limit["kind"] == ("d2d" if memory == "cuda" else "h2d_pageable")
+        assert limit["gbps"] > 0 and limit["fraction"] > 0
+        if memory != "cuda":
+            assert limit["pinned"]["kind"] == "h2d_pinned"
+            assert limit["pinned"]["gbps"] > 0
+    assert "of limit" in p.stdout
     print(p.stdout)  # the figures, for benchmarks/RESULTS.md (pytest -s)
+
+
+def test_copy_limits_on_the_gpu():
+    """gpucx.bench.limits on the real driver: every copy has a positive
+    figure, device to device beats host to device at 1 MiB and up, and a
+    figure is measured once (tests/test_bench_limits.py runs the same over
+    the fake libcuda)."""
+    from gpucx.bench import limits
+
+    limits.clear_cache()
+    sizes = (4096, 1 << 20, 16 << 20)
+    figures = {(k, n): limits.measure(k, n, 0) for k in limits.KINDS for n in sizes}
+    assert all(v is not None and v > 0 for v in figures.values()), figures
+    for n in sizes[1:]:
+        assert figures["d2d", n] > figures["h2d_pinned", n], figures
+        assert figures["d2d", n] > figures["d2h_pinned", n], figures
+    assert limits.measure("d2d", 1 << 20, 0) == figures["d2d", 1 << 20]
+    with pytest.raises(limits.LimitError, match="device 99"):
+        limits.measure("d2d", 1 << 20, 99)
+    print(figures)

@@ -179,3 +179,90 @@ def test_protocol_tables_keep_each_cuda_table_once():
     ]
     assert "[" not in p.stdout.split("|")[0]
     assert "+--" not in p.stdout and "Range" not in p.stdout
+
+
+def _function(name: str) -> str:
+    """A shell function of gpu_check.sh, to run on its own."""
+    script = SCRIPT.read_text()
+    start = script.index(f"{name}() {{")
+    return script[start : script.index("\n}\n", start) + 3]
+
+
+def test_bench_steps_cover_every_gpu_row_of_the_issue():
+    """GPU to GPU, GPU and UCX-mapped host both ways, GPU and NumPy host
+    memory both ways; array_bw beside the four tests for -m cuda; the
+    machine's copies before them (their limits)."""
+    script = SCRIPT.read_text()
+    steps = [
+        line.split('" ', 1)[1]
+        for line in script.splitlines()
+        if line.strip().startswith('step "')
+    ]
+    assert [s for s in steps if s.startswith("bench ")] == [
+        "bench cuda array_bw",
+        "bench cuda:ucx",
+        "bench ucx:cuda",
+        "bench cuda:host",
+        "bench host:cuda",
+    ]
+    assert steps.index("copy_limits") < steps.index("bench cuda array_bw")
+    assert "protocols" in steps and "pytest_cuda tests" in steps
+
+
+@pytest.mark.parametrize(
+    "args, tests",
+    [
+        ("cuda array_bw", "tag_bw,put_bw,get_bw,am_bw,array_bw"),
+        ("host:cuda", "tag_bw,put_bw,get_bw,am_bw"),
+    ],
+)
+def test_bench_step_command_line(tmp_path, args, tests):
+    p = subprocess.run(
+        ["bash", "-c", _function("bench") + f"bench {args}"],
+        capture_output=True,
+        text=True,
+        env={"GPY": "echo", "LOGS": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=20,
+    )
+    assert p.returncode == 0, p.stderr
+    memory = args.split()[0]
+    assert p.stdout.split() == [
+        *["-m", "gpucx.cli", "bench", "-t"],
+        tests,
+        *f"-s 1M,64M -m {memory} --vs-perftest --no-progress --json".split(),
+        f"{tmp_path}/bench-{memory.replace(':', '-')}.json",
+    ]
+
+
+def test_copy_limits_step_over_a_fake_driver(tmp_path):
+    """The step that prints the machine's copies, run with the fake libcuda
+    (a test double) as libcuda.so.1: one row per copy, the JSON beside the
+    logs."""
+    libdir = tmp_path / "fakelib"
+    libdir.mkdir()
+    build_fake_libcuda(libdir / "libcuda.so.1")
+    env = dict(os.environ)
+    env.update(
+        GPY=sys.executable,
+        LOGS=str(tmp_path),
+        GPU_CHECK_SIZES="1M,4M",
+        LD_LIBRARY_PATH=str(libdir),
+    )
+    p = subprocess.run(
+        ["bash", "-c", _function("copy_limits") + "copy_limits"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+    )
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0].split() == ["copy", "GB/s", "1M", "4M"]
+    assert [line.split()[0] for line in lines[1:6]] == [
+        "d2d",
+        "h2d_pinned",
+        "d2h_pinned",
+        "h2d_pageable",
+        "d2h_pageable",
+    ]
+    assert (tmp_path / "limits.json").exists()

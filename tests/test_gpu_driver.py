@@ -226,3 +226,47 @@ def test_atomic_and_probed_recv_with_streams_over_the_bindings(drv, ctx):
     assert drv._lib.fake_records() == 2 and drv._lib.fake_last_stream() == 0x56
     assert drv.current_context() == 0xC0
     region.close()
+
+
+def test_allocations_and_queued_copies_over_the_bindings(drv):
+    """The calls gpucx.bench.limits times copies with: device and
+    page-locked allocations, a stream, cuMemcpyAsync, timing events."""
+    with pytest.raises(gcuda.DriverError, match="cuMemAlloc: CUDA_ERROR_INVALID_CON"):
+        drv.mem_alloc(16)  # no context current, as CUDA refuses
+    drv.set_current(0xC1)
+    dev = drv.mem_alloc(16)
+    host = drv.mem_alloc_host(16)
+    assert dev and host and drv._lib.fake_allocs_live() == 2
+    assert drv.pointer(dev) == (CUDA, 1, 0xC1)  # device memory of device 1
+    stream = drv.stream_create()
+    assert stream and drv._lib.fake_streams_live() == 1
+    src = np.arange(16, dtype=np.uint8)
+    drv.memcpy_async(dev, src.ctypes.data, 16, stream)
+    drv.memcpy_async(host, dev, 16, stream)
+    drv.stream_synchronize(stream)
+    assert ctypes.string_at(host, 16) == src.tobytes()
+    assert drv._lib.fake_async_copies() == 2
+    assert drv._lib.fake_async_last_stream() == stream
+    start, end = drv.timing_event_create(), drv.timing_event_create()
+    drv._lib.fake_set_elapsed(ctypes.c_float(2.5))
+    with pytest.raises(gcuda.DriverError, match="cuEventElapsedTime: CUDA_ERROR_INV"):
+        drv.event_elapsed_ms(start, end)  # not recorded yet
+    drv.event_record(start, stream)
+    drv.event_record(end, stream)
+    assert drv.event_elapsed_ms(start, end) == 2.5
+    untimed = drv.event_create()
+    drv.event_record(untimed, stream)
+    with pytest.raises(gcuda.DriverError, match="CUDA_ERROR_INVALID_HANDLE"):
+        drv.event_elapsed_ms(start, untimed)  # created without timing
+    for e in (start, end, untimed):
+        drv.event_destroy(e)
+    drv.stream_destroy(stream)
+    drv.mem_free(dev)
+    drv.mem_free_host(host)
+    assert drv._lib.fake_allocs_live() == 0 and drv._lib.fake_streams_live() == 0
+    assert drv._lib.fake_events_live() == 0
+    with pytest.raises(gcuda.DriverError, match="cuMemFree: CUDA_ERROR_INVALID_VALUE"):
+        drv.mem_free(dev)  # twice
+    drv._lib.fake_set_alloc_limit(ctypes.c_size_t(8))
+    with pytest.raises(gcuda.DriverError, match="cuMemAllocHost: CUDA_ERROR_OUT_OF"):
+        drv.mem_alloc_host(16)

@@ -75,6 +75,9 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
     head.append("api")
     if with_perftest:
         head += ["perftest lat med us", "perftest GB/s", "gpucx/perftest"]
+    with_limit = any(r.get("limit") for r in results)
+    if with_limit:
+        head += ["limit", "limit GB/s", "of limit"]
     rows = [head]
     for r in results:
         row = [
@@ -99,6 +102,8 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
                 if pt
                 else "-",
             ]
+        if with_limit:
+            row += _limit_cells(r.get("limit"))
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
@@ -132,7 +137,39 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
                 "host memory: gpucx's is NumPy's, ucx_perftest maps its own "
                 "through UCX; -m ucx in place of host compares like for like."
             )
+    if with_limit:
+        notes += _limit_notes(results)
     return "\n".join(lines + notes)
+
+
+def _limit_cells(limit: dict | None) -> list[str]:
+    if not limit:
+        return ["-", "-", "-"]
+    return [
+        limit["kind"],
+        _num(limit.get("gbps"), ".3f"),
+        _num(limit.get("fraction"), ".3g"),
+    ]
+
+
+def _limit_notes(results: list[dict]) -> list[str]:
+    """What the limit columns mean, and why a copy has no figure."""
+    notes = [
+        "limit: this machine's copy between the row's memory kinds, in its "
+        "direction, at its size (cuMemcpyAsync timed with CUDA events, "
+        "gpucx.bench.limits); of limit = BW / limit. d2d: device to device; "
+        "h2d/d2h_pinned: page-locked host memory (the row's ucx memory); "
+        "_pageable: NumPy memory (the row's host memory; the JSON adds the "
+        "pinned figure). Latency and host-only rows: none."
+    ]
+    errors = {
+        lim["error"]
+        for r in results
+        for lim in (r.get("limit") or {}, (r.get("limit") or {}).get("pinned") or {})
+        if lim.get("error")
+    }
+    notes += [f"limit not measured: {e}" for e in sorted(errors)]
+    return notes
 
 
 def write_json(path: str, doc: dict) -> None:

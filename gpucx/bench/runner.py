@@ -7,6 +7,7 @@ import sys
 
 import gpucx
 
+from . import limits as _limits
 from . import perftest as _perftest
 from .errors import BenchSetupError
 from .memory import cuda_problem
@@ -319,6 +320,14 @@ def run_bench(opts: BenchOptions, stream=sys.stderr) -> dict:
     finally:
         bar.close()
         sess.close()
+    # The machine's own copies beside each GPU row, timed once the peer is
+    # gone.  A remote peer's rows cross the network: no copy on this host
+    # bounds them (null).
+    if opts.client is None:
+        _limits.attach(results, opts.device)
+    else:
+        for r in results:
+            r["limit"] = None
     return {
         "environment": environment(transports, opts.tls),
         "options": {

@@ -120,6 +120,16 @@ class Driver:
             "cuEventDestroy_v2": [vp],
             "cuMemcpy": [vp, vp, ctypes.c_size_t],
             "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+            # Copy figures of gpucx.bench.limits: allocations, streams, timing.
+            "cuMemAlloc_v2": [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t],
+            "cuMemFree_v2": [ctypes.c_uint64],
+            "cuMemAllocHost_v2": [ctypes.POINTER(vp), ctypes.c_size_t],
+            "cuMemFreeHost": [vp],
+            "cuMemcpyAsync": [vp, vp, ctypes.c_size_t, vp],
+            "cuStreamCreate": [ctypes.POINTER(vp), u],
+            "cuStreamDestroy_v2": [vp],
+            "cuStreamSynchronize": [vp],
+            "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), vp, vp],
         }
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
@@ -305,6 +315,92 @@ class Driver:
         self._check(
             self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy"
         )
+
+    # -- copies timed on a stream (gpucx.bench.limits) -------------------------
+
+    def mem_alloc(self, nbytes: int) -> int:
+        """``nbytes`` of device memory in the current context (``cuMemAlloc``)."""
+        out = ctypes.c_uint64()
+        self._check(
+            self._lib.cuMemAlloc_v2(ctypes.byref(out), ctypes.c_size_t(nbytes)),
+            "cuMemAlloc",
+        )
+        return out.value
+
+    def mem_free(self, ptr: int) -> None:
+        """Free what :meth:`mem_alloc` returned (``cuMemFree``)."""
+        self._check(self._lib.cuMemFree_v2(ctypes.c_uint64(ptr)), "cuMemFree")
+
+    def mem_alloc_host(self, nbytes: int) -> int:
+        """``nbytes`` of page-locked host memory (``cuMemAllocHost``)."""
+        out = ctypes.c_void_p()
+        self._check(
+            self._lib.cuMemAllocHost_v2(ctypes.byref(out), ctypes.c_size_t(nbytes)),
+            "cuMemAllocHost",
+        )
+        return out.value or 0
+
+    def mem_free_host(self, ptr: int) -> None:
+        """Free what :meth:`mem_alloc_host` returned (``cuMemFreeHost``)."""
+        self._check(self._lib.cuMemFreeHost(ctypes.c_void_p(ptr)), "cuMemFreeHost")
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy between any two addresses on ``stream``
+        (``cuMemcpyAsync``, unified addressing)."""
+        self._check(
+            self._lib.cuMemcpyAsync(
+                ctypes.c_void_p(dst),
+                ctypes.c_void_p(src),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_void_p(stream),
+            ),
+            "cuMemcpyAsync",
+        )
+
+    def stream_create(self) -> int:
+        """A new stream that does not wait for the legacy default stream
+        (``cuStreamCreate``, ``CU_STREAM_NON_BLOCKING``)."""
+        out = ctypes.c_void_p()
+        self._check(
+            self._lib.cuStreamCreate(ctypes.byref(out), 0x1),  # NON_BLOCKING
+            "cuStreamCreate",
+        )
+        return out.value or 0
+
+    def stream_destroy(self, stream: int) -> None:
+        """``cuStreamDestroy``."""
+        self._check(
+            self._lib.cuStreamDestroy_v2(ctypes.c_void_p(stream)), "cuStreamDestroy"
+        )
+
+    def stream_synchronize(self, stream: int) -> None:
+        """Block until the work queued on ``stream`` has finished."""
+        self._check(
+            self._lib.cuStreamSynchronize(ctypes.c_void_p(stream)),
+            "cuStreamSynchronize",
+        )
+
+    def timing_event_create(self) -> int:
+        """A new event that records a time stamp (``cuEventCreate`` with
+        ``CU_EVENT_DEFAULT``), for :meth:`event_elapsed_ms`."""
+        out = ctypes.c_void_p()
+        self._check(
+            self._lib.cuEventCreate(ctypes.byref(out), 0x0),  # CU_EVENT_DEFAULT
+            "cuEventCreate",
+        )
+        return out.value or 0
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds between two completed timing events
+        (``cuEventElapsedTime``)."""
+        out = ctypes.c_float()
+        self._check(
+            self._lib.cuEventElapsedTime(
+                ctypes.byref(out), ctypes.c_void_p(start), ctypes.c_void_p(end)
+            ),
+            "cuEventElapsedTime",
+        )
+        return float(out.value)
 
 
 _UNLOADED: Any = object()

@@ -8,8 +8,14 @@
  * number of times, and a table of "device" pointers that tests fill with
  * fake_register().  It lets tests drive the real ctypes bindings (argument
  * types, pointer plumbing, error names) end to end.
+ *
+ * For gpucx.bench.limits it also has allocations (device and page-locked
+ * memory are both malloc'd host memory; device allocations are entered in
+ * the pointer table), streams, copies queued on a stream (done at once with
+ * memmove), and timing events whose elapsed time a test sets.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef int CUresult;
@@ -21,8 +27,10 @@ typedef unsigned long long CUdeviceptr;
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_INVALID_CONTEXT 201
+#define CUDA_ERROR_INVALID_HANDLE 400
 #define CUDA_ERROR_NOT_READY 600
 
 static int initialized;
@@ -34,7 +42,7 @@ static struct { uintptr_t ptr; int dev; int managed; } ptrs[MAX_PTRS];
 static int nptrs;
 
 #define MAX_EVENTS 64
-static struct { int polls_left; uintptr_t stream; int recorded; } events[MAX_EVENTS];
+static struct { int polls_left; uintptr_t stream; int recorded; int timed; int destroyed; } events[MAX_EVENTS];
 static int nevents;
 static int polls_per_event;
 static int records;
@@ -43,9 +51,20 @@ static int memcpys;
 static int streams_idle;  /* what cuStreamQuery answers: 0 = work pending */
 static int stream_queries;
 
+static int nstreams;  /* streams made: handles 0x5000 + n */
+static int streams_live;
+static int allocs_live;      /* device + page-locked allocations not freed */
+static int async_copies;
+static size_t async_bytes;
+static uintptr_t async_last_stream;
+static float elapsed_ms = 1.0f;
+static float slow_ms;        /* what the next slow_left elapsed times say */
+static int slow_left;
+static size_t alloc_limit;   /* 0: no limit; else larger requests fail */
 static int ndevices = 2;     /* what cuDeviceGetCount answers (1 or 2) */
 static int ptr_queries;      /* cuPointerGetAttributes calls */
 static int ctx_queries;      /* cuCtxGetCurrent calls */
+
 /* -- test controls ------------------------------------------------------ */
 void fake_reset(void)
 {
@@ -58,6 +77,16 @@ void fake_reset(void)
     memcpys = 0;
     streams_idle = 0;
     stream_queries = 0;
+    nstreams = 0;
+    streams_live = 0;
+    allocs_live = 0;
+    async_copies = 0;
+    async_bytes = 0;
+    async_last_stream = 0;
+    elapsed_ms = 1.0f;
+    slow_ms = 0.0f;
+    slow_left = 0;
+    alloc_limit = 0;
     ndevices = 2;
     ptr_queries = 0;
     ctx_queries = 0;
@@ -77,9 +106,23 @@ int fake_memcpys(void) { return memcpys; }
 int fake_depth(void) { return depth; }
 void fake_set_idle(int idle) { streams_idle = idle; }
 int fake_stream_queries(void) { return stream_queries; }
+void fake_set_elapsed(float ms) { elapsed_ms = ms; }
+void fake_set_slow(float ms, int n) { slow_ms = ms; slow_left = n; }
+void fake_set_alloc_limit(size_t n) { alloc_limit = n; }
+int fake_allocs_live(void) { return allocs_live; }
 void fake_set_devices(int n) { ndevices = n; }
 int fake_pointer_queries(void) { return ptr_queries; }
 int fake_ctx_queries(void) { return ctx_queries; }
+int fake_streams_live(void) { return streams_live; }
+int fake_async_copies(void) { return async_copies; }
+size_t fake_async_bytes(void) { return async_bytes; }
+uintptr_t fake_async_last_stream(void) { return async_last_stream; }
+int fake_events_live(void)
+{
+    int k, n = 0;
+    for (k = 0; k < nevents; k++) n += !events[k].destroyed;
+    return n;
+}
 
 /* -- the driver API subset ------------------------------------------------ */
 CUresult cuInit(unsigned flags) { (void)flags; initialized = 1; return CUDA_SUCCESS; }
@@ -190,8 +233,22 @@ CUresult cuStreamQuery(CUstream s)
 
 CUresult cuEventCreate(CUevent *e, unsigned flags)
 {
-    if (flags != 2 || depth == 0) return CUDA_ERROR_INVALID_VALUE;
+    /* CU_EVENT_DISABLE_TIMING (2) or CU_EVENT_DEFAULT (0, timed). */
+    int k;
+    if ((flags != 2 && flags != 0) || depth == 0) return CUDA_ERROR_INVALID_VALUE;
+    for (k = 0; k < nevents; k++) {  /* a destroyed event's slot first */
+        if (events[k].destroyed) {
+            events[k].recorded = 0;
+            events[k].timed = flags == 0;
+            events[k].destroyed = 0;
+            *e = (CUevent)(uintptr_t)(0x1000 + k);
+            return CUDA_SUCCESS;
+        }
+    }
+    if (nevents >= MAX_EVENTS) return CUDA_ERROR_OUT_OF_MEMORY;
     events[nevents].recorded = 0;
+    events[nevents].timed = flags == 0;
+    events[nevents].destroyed = 0;
     *e = (CUevent)(uintptr_t)(0x1000 + nevents);
     nevents++;
     return CUDA_SUCCESS;
@@ -200,7 +257,7 @@ CUresult cuEventCreate(CUevent *e, unsigned flags)
 static int event_index(CUevent e)
 {
     intptr_t k = (intptr_t)(uintptr_t)e - 0x1000;
-    return (k >= 0 && k < nevents) ? (int)k : -1;
+    return (k >= 0 && k < nevents && !events[k].destroyed) ? (int)k : -1;
 }
 
 CUresult cuEventRecord(CUevent e, CUstream s)
@@ -236,7 +293,112 @@ CUresult cuEventSynchronize(CUevent e)
 
 CUresult cuEventDestroy_v2(CUevent e)
 {
-    return event_index(e) < 0 ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+    int k = event_index(e);
+    if (k < 0) return CUDA_ERROR_INVALID_VALUE;
+    events[k].destroyed = 1;
+    return CUDA_SUCCESS;
+}
+
+/* Both events timed and recorded, as CUDA requires; the time is the one
+ * the test set (fake_set_elapsed; fake_set_slow for the next few). */
+CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end)
+{
+    int a = event_index(start), b = event_index(end);
+    if (a < 0 || b < 0) return CUDA_ERROR_INVALID_VALUE;
+    if (!events[a].timed || !events[b].timed) return CUDA_ERROR_INVALID_HANDLE;
+    if (!events[a].recorded || !events[b].recorded) return CUDA_ERROR_INVALID_HANDLE;
+    if (slow_left > 0) {
+        slow_left--;
+        *ms = slow_ms;
+    } else {
+        *ms = elapsed_ms;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* -- allocations, streams and queued copies (gpucx.bench.limits) ---------- */
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
+{
+    void *mem;
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    if ((alloc_limit && n > alloc_limit) || nptrs >= MAX_PTRS) return CUDA_ERROR_OUT_OF_MEMORY;
+    mem = malloc(n ? n : 1);
+    if (mem == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    fake_register((uintptr_t)mem, (int)((uintptr_t)stack[depth - 1] - 0xC0), 0);
+    allocs_live++;
+    *p = (CUdeviceptr)(uintptr_t)mem;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    int k;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].ptr == (uintptr_t)p) {
+            ptrs[k] = ptrs[--nptrs];
+            free((void *)(uintptr_t)p);
+            allocs_live--;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuMemAllocHost_v2(void **p, size_t n)
+{
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    if (alloc_limit && n > alloc_limit) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = malloc(n ? n : 1);
+    if (*p == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    allocs_live++;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemFreeHost(void *p)
+{
+    if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
+    free(p);
+    allocs_live--;
+    return CUDA_SUCCESS;
+}
+
+static int stream_index(CUstream s)
+{
+    intptr_t k = (intptr_t)(uintptr_t)s - 0x5000;
+    return (k >= 0 && k < nstreams) ? (int)k : -1;
+}
+
+CUresult cuStreamCreate(CUstream *s, unsigned flags)
+{
+    if (flags > 1) return CUDA_ERROR_INVALID_VALUE;
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    *s = (CUstream)(uintptr_t)(0x5000 + nstreams);
+    nstreams++;
+    streams_live++;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamDestroy_v2(CUstream s)
+{
+    if (stream_index(s) < 0) return CUDA_ERROR_INVALID_HANDLE;
+    streams_live--;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuStreamSynchronize(CUstream s)
+{
+    (void)s;
+    return depth == 0 ? CUDA_ERROR_INVALID_CONTEXT : CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
+{
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    async_copies++;
+    async_bytes += n;
+    async_last_stream = (uintptr_t)s;
+    return CUDA_SUCCESS;
 }
 
 CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t n)
@@ -252,6 +414,8 @@ CUresult cuGetErrorName(CUresult r, const char **name)
     case CUDA_ERROR_INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
     case CUDA_ERROR_NOT_INITIALIZED: *name = "CUDA_ERROR_NOT_INITIALIZED"; break;
     case CUDA_ERROR_INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
     default: return CUDA_ERROR_INVALID_VALUE;
     }
