@@ -19,6 +19,7 @@ from .errors import (
     InvalidAddressError,
     MessageTruncatedError,
     PeerError,
+    SlowPathWarning,
     TimeoutError,
     UCXError,
     UnsupportedError,
@@ -63,6 +64,7 @@ __all__ = [
     "InvalidAddressError",
     "AlreadyReceivedError",
     "DroppedMessagesWarning",
+    "SlowPathWarning",
     "QueueStats",
     "DriverError",
 ]

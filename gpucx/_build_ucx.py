@@ -37,6 +37,7 @@ C_SOURCES = ["_ucx_helpers.c"] + [
         "am_batch",
         "bench",
         "sockaddr",
+        "proto",
     )
 ]
 

@@ -6,6 +6,7 @@ import os
 import time
 
 from . import _address, _liveness
+from . import protocols as _protocols
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from .errors import (
@@ -45,6 +46,9 @@ class Endpoint(Handle):
     _peer_mode = True
     #: Connected by ``(host, port)`` (UCX client/server wireup).
     _sockaddr = False
+    #: Bits of the (operation, memory type) combinations whose protocol
+    #: gpucx checked for a slow path (protocols.first_use).
+    _proto_seen = 0
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -172,6 +176,33 @@ class Endpoint(Handle):
             (ffi.string(names[2 * i]).decode(), ffi.string(names[2 * i + 1]).decode())
             for i in range(n)
         ]
+
+    def protocols(self) -> list:
+        """Every protocol UCX selected for this endpoint so far, as
+        :class:`gpucx.protocols.Protocol` rows (see :mod:`gpucx.protocols`
+        for UCX's reports they come from).
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the endpoint is closed.
+        """
+        return _protocols.protocols(self)
+
+    def protocol(self, op: str, nbytes: int, memory=("host", "host")):
+        """The protocol UCX selected for ``op`` ("tag", "am", "stream",
+        "put", "get", ...) of ``nbytes`` bytes between ``memory`` (local,
+        remote), or None when UCX has selected none yet or does not report
+        it (:func:`gpucx.protocols.protocol`).
+
+        Raises
+        ------
+        ValueError
+            For an unknown ``op`` or a negative ``nbytes``.
+        gpucx.ClosedError
+            If the endpoint is closed.
+        """
+        return _protocols.protocol(self, op, nbytes, memory)
 
     @property
     def local_sockaddr(self) -> tuple[str, int] | None:

@@ -22,6 +22,7 @@ __all__ = [
     "InvalidAddressError",
     "AlreadyReceivedError",
     "DroppedMessagesWarning",
+    "SlowPathWarning",
     "check",
     "status_name",
     "error_for",
@@ -65,6 +66,14 @@ class DroppedMessagesWarning(RuntimeWarning):
     """A worker dropped messages from peers at one of its queue caps
     (``Worker.stats()`` counts them; docs/reliability.md, "Bounded
     queues").  Raised once, then at most once a minute per worker."""
+
+
+class SlowPathWarning(UserWarning):
+    """An operation took a protocol gpucx knows to be slow (software
+    emulation of RMA, CUDA data staged through host shared memory; rules in
+    :mod:`gpucx.protocols`).  Raised once per endpoint configuration,
+    operation, memory types and protocol (docs/gpu.md, "Which path does a
+    transfer take?")."""
 
 
 class CanceledError(UCXError):

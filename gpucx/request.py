@@ -395,6 +395,19 @@ class Request:
         state = ("pending", "done", "failed")[self._state]
         return f"<gpucx.Request {self._what} {state}>"
 
+    @property
+    def protocol(self):
+        """The protocol UCX selected for this operation
+        (:class:`gpucx.protocols.Protocol`, from ``ucp_request_query``)
+        while UCX still holds its request; None once it completed, or for
+        an operation that finished when posted or that UCX does not
+        describe (receives)."""
+        from . import protocols
+
+        if self._state != 0:
+            return None
+        return protocols.request_protocol(self._slot, self._ep)
+
     def _complete(self) -> None:
         """First observation of completion: free the UCX request, settle."""
         slot = self._slot

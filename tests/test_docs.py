@@ -10,6 +10,7 @@ import gpucx
 import gpucx.aio
 import gpucx.mem
 import gpucx.ops.rma
+import gpucx.protocols
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -33,6 +34,7 @@ def test_every_public_name_is_documented():
         ("gpucx", gpucx),
         ("gpucx.mem", gpucx.mem),
         ("gpucx.ops.rma", gpucx.ops.rma),
+        ("gpucx.protocols", gpucx.protocols),
     ]
     for modname, mod in modules:
         for name in mod.__all__:

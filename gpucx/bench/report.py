@@ -60,6 +60,15 @@ def _num(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _protocol_cell(r: dict) -> str:
+    """The protocol column: UCX's description and transports, "(slow)"
+    where gpucx.protocols rates it a slow path, "-" where UCX did not say."""
+    proto = r.get("protocol")
+    if not proto:
+        return "-"
+    return f"{proto} (slow)" if r.get("protocol_slow") else proto
+
+
 def format_table(results: list[dict], with_perftest: bool = False) -> str:
     """A fixed-width table of the results."""
     head = [
@@ -72,7 +81,10 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
         "BW GB/s",
         "msg/s",
     ]
-    head.append("api")
+    # UCX's protocol of the measured side (gpucx.protocols), as text: after
+    # the figures, before the columns read from the right (api, perftest).
+    head += ["protocol", "api"]
+    proto_col = len(head) - 2
     if with_perftest:
         head += ["perftest lat med us", "perftest GB/s", "gpucx/perftest"]
     with_limit = any(r.get("limit") for r in results)
@@ -89,6 +101,7 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
             _num(r["latency_avg_us"], ".2f"),
             _num(r["bandwidth_gbs"], ".3f"),
             _num(r["msg_rate"], ",.0f"),
+            _protocol_cell(r),
             r.get("api", "c"),
         ]
         if with_perftest:
@@ -110,7 +123,7 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
     for n, row in enumerate(rows):
         lines.append(
             "  ".join(
-                c.ljust(w) if i < 2 else c.rjust(w)
+                c.ljust(w) if i < 2 or i == proto_col else c.rjust(w)
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             ).rstrip()
         )
@@ -121,6 +134,8 @@ def format_table(results: list[dict], with_perftest: bool = False) -> str:
         "Latency (*_lat tests): one-way, half a round trip, like ucx_perftest; "
         "fadd_lat: the whole fetch-and-add; put_lat: half of put + flush.",
         "Bandwidth tests: lat avg = time per message; GB/s = 1e9 bytes/s.",
+        "protocol: what UCX selected on the measuring side for the row's size "
+        "(gpucx.protocols; (slow): a slow path by its rules; -: UCX did not say).",
     ]
     for api in sorted({r.get("api", "c") for r in results}):
         path = next(r.get("api_path") for r in results if r.get("api", "c") == api)

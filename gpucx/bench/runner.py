@@ -215,6 +215,7 @@ def run_point(sess: Session, p: Params) -> dict:
         test = TESTS[p.test](sess, p, server=False)
         figures = test.run(reply)
         _answer(sess.recv_ctrl(p.timeout))
+        proto = _protocol(test)
     except _PeerFailed as exc:
         raise BenchFailed(f"{where}: {exc}") from None
     except (gpucx.UCXError, PeerGone) as exc:
@@ -232,7 +233,21 @@ def run_point(sess: Session, p: Params) -> dict:
         "api_path": API_PATHS[p.api],
         "latency_note": test.latency_note,
         **figures,
+        **proto,
     }
+
+
+def _protocol(test) -> dict:
+    """``protocol`` (UCX's description and transports, e.g. "software
+    emulation sysv/memory", or None where UCX does not tell) and
+    ``protocol_slow`` of the client side of a point (gpucx.protocols)."""
+    try:
+        row = test.protocol()
+    except (gpucx.UCXError, ValueError):
+        row = None  # no report: the row says "-" rather than failing the run
+    if row is None:
+        return {"protocol": None, "protocol_slow": None}
+    return {"protocol": row.short, "protocol_slow": row.slow}
 
 
 def _point_dict(p: Params) -> dict:

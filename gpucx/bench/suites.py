@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy
 
+from .. import protocols as _protocols
 from .._internal import am_recv_registration, handle, park, rkey_handle
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
@@ -208,6 +209,11 @@ class Bench:
     #: The send and receive buffers of the ping-pong tests (c_pingpong).
     sbuf: Any
     rbuf: Any
+    #: The operation whose UCX protocol the result names (a key of
+    #: gpucx.protocols.OPERATIONS), or None.
+    protocol_op: str | None = None
+    #: A protocol learnt while measuring (an RMA probe), else None.
+    probed: Any = None
 
     def __init__(self, sess, params: Params, server: bool = False):
         self.s = sess
@@ -229,6 +235,19 @@ class Bench:
     # client side
     def run(self, extra: dict) -> dict:
         raise NotImplementedError
+
+    def protocol(self):
+        """The protocol UCX used on the client's side for this point
+        (gpucx.protocols.Protocol), or None if UCX does not tell; asked
+        after :meth:`run`, once UCX has selected it."""
+        if self.probed is not None or self.protocol_op is None:
+            return self.probed
+        # UCX's memory types: "ucx" and "reg" are host memory too.
+        memory = tuple(
+            "cuda" if m == "cuda" else "host"
+            for m in (self.p.client_mem, self.p.server_mem)
+        )
+        return self.s.ep.protocol(self.protocol_op, self.p.size, memory)
 
     # helpers
     def buffer(self, fill: int = 0):
@@ -388,6 +407,7 @@ def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
 
 
 class TagLat(Bench):
+    protocol_op = "tag"
     name = "tag_lat"
     kind = "lat"
     perftest = "tag_lat"
@@ -438,6 +458,7 @@ class TagLat(Bench):
 
 
 class TagBw(Bench):
+    protocol_op = "tag"
     name = "tag_bw"
     kind = "bw"
     perftest = "tag_bw"
@@ -497,6 +518,7 @@ class TagBw(Bench):
 
 class _AmBase(Bench):
     features = frozenset({"tag", "am"})
+    protocol_op = "am"
 
     def _by_handler(self) -> bool:
         """Whether this side receives through a handler and ``receive_into``
@@ -704,6 +726,7 @@ class AmBw(_AmBase):
 
 class StreamBw(Bench):
     features = frozenset({"tag", "stream"})
+    protocol_op = "stream"
     name = "stream_bw"
     kind = "bw"
     perftest = "stream_bw"
@@ -766,7 +789,9 @@ class _RmaBase(Bench):
                 f"the peer's region token is malformed ({exc})"
             ) from None
         try:
-            return self.measure(rmem)
+            figures = self.measure(rmem)
+            self.probed = self._probe(rmem)
+            return figures
         finally:
             self.s.send_ctrl({"op": "fin"})
             if hasattr(rmem, "close"):
@@ -774,6 +799,17 @@ class _RmaBase(Bench):
 
     def measure(self, rmem) -> dict:
         raise NotImplementedError
+
+    def _probe(self, rmem):
+        """One more put or get, after the measurement, that asks UCX which
+        protocol it took (gpucx.protocols.probe: put and get are not in
+        the endpoint's tables unless UCX's PROTO_INFO is on)."""
+        if self.protocol_op not in ("put", "get"):
+            return None
+        buf = self.buffer(1)
+        return _protocols.probe(
+            self.s.ep, self.protocol_op, buf, rmem, timeout=self.p.timeout
+        )
 
 
 class _RmaBw(_RmaBase):
@@ -848,12 +884,14 @@ class _RmaBw(_RmaBase):
 
 
 class PutBw(_RmaBw):
+    protocol_op = "put"
     name = "put_bw"
     perftest = "ucp_put_bw"
     op = "put_nb"
 
 
 class GetBw(_RmaBw):
+    protocol_op = "get"
     name = "get_bw"
     perftest = "ucp_get"
     op = "get_nb"
@@ -867,6 +905,7 @@ class GetBw(_RmaBw):
 
 
 class PutLat(_RmaBase):
+    protocol_op = "put"
     name = "put_lat"
     kind = "lat"
     perftest = "ucp_put_lat"
@@ -886,6 +925,7 @@ class PutLat(_RmaBase):
 
 
 class FaddLat(_RmaBase):
+    protocol_op = "atomic_fetch"
     name = "fadd_lat"
     kind = "lat"
     perftest = "ucp_fadd"
@@ -911,6 +951,7 @@ class FaddLat(_RmaBase):
 
 class ArrayBw(Bench):
     features = frozenset({"tag", "am"})
+    protocol_op = "am"
     name = "array_bw"
     kind = "bw"
     perftest = None

@@ -20,6 +20,7 @@ sees anything.
 
 from __future__ import annotations
 
+from .. import protocols as _protocols
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
@@ -29,6 +30,7 @@ from ..mem.memtype import CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
 from ..request import (
+    INPROGRESS,
     Request,
     finish,
     new_slot,
@@ -282,6 +284,10 @@ def _post_wait(
         with _cuda.door(w, ptr, mt, stream, what):
             slot = _sync_slot(w)
             st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+    if not (ep._proto_seen >> (mt * 2 + is_get)) & 1:
+        _check_protocol(
+            ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
+        )
     if st:
         finish(w, slot, st, timeout, what, ep, (keep, rkey))
 
@@ -318,7 +324,19 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
         with _cuda.door(w, ptr, mt, stream, what):
             slot = _sync_slot(w)
             st = post(h, ptr, n, raddr, rkey._h, mt, slot)
-    return posted(w, slot, st, (keep, rkey), what, ep)
+    req = posted(w, slot, st, (keep, rkey), what, ep)
+    if not (ep._proto_seen >> (mt * 2 + is_get)) & 1:
+        _check_protocol(
+            ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
+        )
+    return req
+
+
+def _check_protocol(ep, what, mt, is_get, n, rkey, slot) -> None:
+    """Once per endpoint, operation and local memory type: warn if UCX put
+    this put or get on a slow path (gpucx.protocols; the request in
+    ``slot`` if still in flight, else UCX's tables)."""
+    _protocols.first_use(ep, what, mt * 2 + is_get, n, (mt, rkey.memory_type), slot)
 
 
 # -- prepared transfers --------------------------------------------------------

@@ -11,6 +11,7 @@ buffers is one message (UCX IOV datatype).
 
 from __future__ import annotations
 
+from .. import protocols as _protocols
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import AlreadyReceivedError
@@ -130,8 +131,18 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     else:
         with _cuda.door(w, ptr, mt, stream, _SEND):
             slot, st = _send(w, h, ptr, n, tag, mt)
+        if not (ep._proto_seen >> (32 + mt)) & 1:
+            _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
+
+
+def _check_protocol(ep, mt: int, n: int, slot) -> None:
+    """Once per endpoint and device memory type: warn if UCX put this send
+    on a slow path (gpucx.protocols).  Host sends have none by its rules
+    (only RMA emulation and device memory staged through host copies are),
+    so the host path does not look."""
+    _protocols.first_use(ep, "tag", 32 + mt, n, (mt, ""), slot)
 
 
 def _send(w, h, ptr, n: int, tag, mt: int):
@@ -175,7 +186,7 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
     slot = new_slot() if w._multi else w._sslot
     try:
         if type(buf) is list or type(buf) is tuple:
-            iov, count, mt, keep, _ = _iov(buf, False, stream)
+            iov, count, mt, keep, n = _iov(buf, False, stream)
             if mt == _HOST and stream is None:
                 st = lib.gpucx_tag_send_iov(
                     h, iov, count, tag, mt, 1 if sync else 0, slot
@@ -196,7 +207,10 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
         if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
             raise exc
         raise _bad_tag(tag) from None
-    return posted(w, slot, st, keep, _SEND, ep)
+    req = posted(w, slot, st, keep, _SEND, ep)
+    if mt != _HOST and not (ep._proto_seen >> (32 + mt)) & 1:
+        _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
+    return req
 
 
 def _recv_info(req) -> RecvInfo:
