@@ -274,14 +274,14 @@ def _post_wait(
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
         st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     else:
-        with _cuda.door(w, ptr, mt, stream, what):
+        with _cuda.door(w, ptr, mt, stream, what, keep):
             slot = _sync_slot(w)
             st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
     if not (ep._proto_seen >> (mt * 2 + is_get)) & 1:
@@ -314,14 +314,14 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
     h = ep._h
     if h is None:
         raise_closed(ep)
-    ptr, n, mt, keep = acquire(buf, is_get, stream)
+    ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
         st = post(h, ptr, n, raddr, rkey._h, mt, slot)
     else:
-        with _cuda.door(w, ptr, mt, stream, what):
+        with _cuda.door(w, ptr, mt, stream, what, keep):
             slot = _sync_slot(w)
             st = post(h, ptr, n, raddr, rkey._h, mt, slot)
     req = posted(w, slot, st, (keep, rkey), what, ep)

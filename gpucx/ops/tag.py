@@ -121,7 +121,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
         send_nb(ep, buf, tag, stream=stream).wait(timeout)
         return
     else:
-        ptr, n, mt, keep = acquire(buf, False, stream)
+        ptr, n, mt, keep = acquire(buf, False, stream, True)
     if mt == _HOST and stream is None:  # inlined: the small-message path
         slot = new_slot() if w._multi else w._sslot
         try:
@@ -129,7 +129,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
         except (OverflowError, TypeError):
             raise _bad_tag(tag) from None
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND):
+        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
             slot, st = _send(w, h, ptr, n, tag, mt)
         if not (ep._proto_seen >> (32 + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
@@ -197,11 +197,11 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
                         h, iov, count, tag, mt, 1 if sync else 0, slot
                     )
         else:
-            ptr, n, mt, keep = acquire(buf, False, stream)
+            ptr, n, mt, keep = acquire(buf, False, stream, True)
             if mt == _HOST and stream is None:
                 st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
             else:
-                with _cuda.door(w, ptr, mt, stream, _SEND):
+                with _cuda.door(w, ptr, mt, stream, _SEND, keep):
                     st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
     except (OverflowError, TypeError) as exc:
         if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
@@ -265,7 +265,7 @@ def recv(
     elif type(buf) is list or type(buf) is tuple:
         return recv_nb(worker, buf, tag, tag_mask, stream=stream).wait(timeout)
     else:
-        ptr, n, mt, keep = acquire(buf, True, stream)
+        ptr, n, mt, keep = acquire(buf, True, stream, True)
     if mt == _HOST and stream is None:
         # Inlined (a call costs a measurable share of a small blocking
         # receive); the device path shares it through _recv.
@@ -280,7 +280,7 @@ def recv(
         except (OverflowError, TypeError):
             raise _bad_tag(tag, tag_mask) from None
     else:
-        with _cuda.door(worker, ptr, mt, stream, _RECV):
+        with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
             slot, st = _recv(worker, h, ptr, n, tag, tag_mask, mt, timeout)
     if st:
         if st == INPROGRESS:
@@ -340,11 +340,11 @@ def recv_nb(
                 with _cuda.door(worker, iov[0].buffer, mt, stream, _RECV):
                     lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
         else:
-            ptr, n, mt, keep = acquire(buf, True, stream)
+            ptr, n, mt, keep = acquire(buf, True, stream, True)
             if mt == _HOST and stream is None:
                 lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
             else:
-                with _cuda.door(worker, ptr, mt, stream, _RECV):
+                with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
                     lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError) as exc:
         if all(isinstance(v, int) and 0 <= v <= TAG_MASK_FULL for v in (tag, tag_mask)):
@@ -413,13 +413,13 @@ class ProbedMessage:
             req = recv_nb(w, buf, self.tag, TAG_MASK_FULL, stream=stream)
             self._taken = True
             return req
-        ptr, n, mt, keep = acquire(buf, True, stream)
+        ptr, n, mt, keep = acquire(buf, True, stream, True)
         slot = new_slot()
         if mt == _HOST and stream is None:
             self._taken = True
             lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
         else:
-            with _cuda.door(w, ptr, mt, stream, _RECV):
+            with _cuda.door(w, ptr, mt, stream, _RECV, keep):
                 self._taken = True
                 lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
         return Request(w, slot, keep, _RECV, _recv_info, None, n)
