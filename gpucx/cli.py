@@ -108,7 +108,8 @@ def _bench_parser(sub) -> None:
         "--memory",
         default="host",
         help="host (NumPy), ucx (host memory mapped by UCX, as ucx_perftest "
-        "uses), cuda, or CLIENT:SERVER such as host:cuda",
+        "uses), reg (NumPy registered with the context: pinned where CUDA is "
+        "initialised), cuda, or CLIENT:SERVER such as host:cuda",
     )
     p.add_argument("--device", type=int, default=0, help="CUDA device (default 0)")
     p.add_argument(

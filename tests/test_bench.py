@@ -107,8 +107,9 @@ def test_parse_memory():
     assert parse_memory("host:CUDA") == ("host", "cuda")
     assert parse_memory("ucx") == ("ucx", "ucx")
     assert parse_memory("ucx:host") == ("ucx", "host")
-    for bad in ("gpu", "host:cuda:host", ""):
-        with pytest.raises(BenchSetupError, match="bad --memory .*ucx"):
+    assert parse_memory("reg:cuda") == ("reg", "cuda")
+    for bad in ("gpu", "host:cuda:host", "", "pinned"):
+        with pytest.raises(BenchSetupError, match="bad --memory .*ucx, reg"):
             parse_memory(bad)
 
 
@@ -130,6 +131,34 @@ def test_alloc_ucx_maps_with_the_context():
         assert any(r.address == a.ctypes.data for r in regions)
     with pytest.raises(BenchSetupError, match="no gpucx.Context"):
         alloc("ucx", 10)
+
+
+def test_alloc_reg_registers_numpy_memory_with_the_context():
+    with gpucx.Context() as ctx:
+        a = alloc("reg", 4096, fill=7, ctx=ctx)
+        assert a.nbytes == 4096 and int(a.sum()) == 7 * 4096
+        assert isinstance(a, np.ndarray) and a.base is not None
+        regions = [r for r in ctx._children if isinstance(r, gpucx.MemoryRegion)]
+        assert any(r.address == a.ctypes.data and r.nbytes == 4096 for r in regions)
+        assert alloc("reg", 0, ctx=ctx).nbytes == 0
+    with pytest.raises(BenchSetupError, match="--memory reg: no gpucx.Context"):
+        alloc("reg", 10)
+
+
+def test_bench_runs_with_registered_numpy_memory():
+    doc = run_bench(
+        BenchOptions(
+            tests=("tag_bw", "put_bw", "get_bw"),
+            sizes=(65536,),
+            iters=20,
+            warmup=2,
+            memory=("reg", "host"),
+            progress=False,
+        )
+    )
+    rs = doc["results"]
+    assert [r["test"] for r in rs] == ["tag_bw", "put_bw", "get_bw"]
+    assert all(r["bandwidth_gbs"] > 0 and r["memory"] == "reg:host" for r in rs)
 
 
 # -- planning ------------------------------------------------------------------------

@@ -101,7 +101,7 @@ DIRECTIONS = {
     "array_bw": "client>alike",
 }
 
-_SIDES = {"cuda": "d", "host": "pageable", "ucx": "pinned"}
+_SIDES = {"cuda": "d", "host": "pageable", "ucx": "pinned", "reg": "pinned"}
 
 
 class LimitError(RuntimeError):

@@ -1,5 +1,6 @@
-"""Buffers for the benchmark: host memory (a NumPy array, or memory mapped
-by UCX as ``ucx_perftest`` uses) or CUDA (CuPy) memory."""
+"""Buffers for the benchmark: host memory (a NumPy array, the same
+registered with the context, or memory mapped by UCX as ``ucx_perftest``
+uses) or CUDA (CuPy) memory."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ __all__ = ["MEMORY_KINDS", "BenchSetupError", "parse_memory", "cuda_problem", "a
 
 #: ``host``: NumPy arrays (huge pages from 4 MiB on, where the kernel
 #: allows); ``ucx``: host memory mapped by UCX (``Context.allocate``), the
-#: kind ``ucx_perftest`` uses; ``cuda``: CuPy arrays.
-MEMORY_KINDS = ("host", "ucx", "cuda")
+#: kind ``ucx_perftest`` uses; ``reg``: a NumPy array registered with the
+#: context (``Context.register``; where CUDA is initialised in the process,
+#: UCX's ``cuda_copy`` pins it with ``cuMemHostRegister``); ``cuda``: CuPy
+#: arrays.
+MEMORY_KINDS = ("host", "ucx", "reg", "cuda")
 
 #: Regions behind ``ucx`` buffers: NumPy views do not keep a region alive,
 #: so they are held here (dropped once their context closed).
@@ -25,15 +29,16 @@ def parse_memory(text: str) -> tuple[str, str]:
     Raises
     ------
     BenchSetupError
-        For a kind other than ``host``, ``ucx`` or ``cuda``, or more than two.
+        For a kind other than ``host``, ``ucx``, ``reg`` or ``cuda``, or more
+        than two.
     """
     parts = [p.strip().lower() for p in text.split(":")]
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or any(p not in MEMORY_KINDS for p in parts):
         raise BenchSetupError(
-            f"bad --memory {text!r}: use host, ucx, cuda, or CLIENT:SERVER such as "
-            "host:cuda"
+            f"bad --memory {text!r}: use host, ucx, reg, cuda, or CLIENT:SERVER "
+            "such as host:cuda"
         )
     return parts[0], parts[1]
 
@@ -64,8 +69,10 @@ def cuda_problem(device: int = 0) -> str | None:
 def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None):
     """A contiguous ``uint8`` array of ``nbytes`` in ``kind`` memory.
 
-    For ``ucx`` memory, ``ctx`` (a :class:`gpucx.Context`) maps it; the
-    region stays mapped until the context closes.
+    For ``ucx`` memory, ``ctx`` (a :class:`gpucx.Context`) maps it; for
+    ``reg`` memory it registers a NumPy array, with ``device``'s CUDA context
+    initialised first when this host can move CUDA memory (so that UCX pins
+    it); either region stays until the context closes.
 
     Raises
     ------
@@ -74,18 +81,30 @@ def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None):
         ``ctx``.
     """
     if kind not in MEMORY_KINDS:
-        raise BenchSetupError(f"bad --memory kind {kind!r}: use host, ucx or cuda")
+        raise BenchSetupError(f"bad --memory kind {kind!r}: use host, ucx, reg or cuda")
     if kind == "host":
         arr = numpy.empty(max(nbytes, 1), numpy.uint8)[:nbytes]
         arr.fill(fill)
         return arr
-    if kind == "ucx":
+    if kind in ("ucx", "reg"):
         if ctx is None:
-            raise BenchSetupError("--memory ucx: no gpucx.Context to map it with")
-        region = ctx.allocate(max(nbytes, 1))
+            raise BenchSetupError(f"--memory {kind}: no gpucx.Context to map it with")
+        if kind == "ucx":
+            region = ctx.allocate(max(nbytes, 1))
+            arr = region.as_array(numpy.uint8)[:nbytes]
+        else:
+            if ctx.cuda_available and cuda_problem(device) is None:
+                import cupy
+
+                # UCX's cuda_copy pins host memory only in a thread whose
+                # CUDA context is current.
+                cupy.cuda.Device(device).use()
+                cupy.empty(1, cupy.uint8)
+            arr = numpy.empty(max(nbytes, 1), numpy.uint8)
+            region = ctx.register(arr)
+            arr = arr[:nbytes]
         _MAPPED[:] = [r for r in _MAPPED if not r.closed]
         _MAPPED.append(region)  # unmapped when ctx closes, not when collected
-        arr = region.as_array(numpy.uint8)[:nbytes]
         arr.fill(fill)
         return arr
     problem = cuda_problem(device)

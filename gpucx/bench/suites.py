@@ -126,7 +126,7 @@ class Params:
             if name in d and d[name] not in MEMORY_KINDS:
                 raise ValueError(
                     f"params: bad --memory kind {quote(d[name])} for {name}: "
-                    "use host, ucx or cuda"
+                    "use host, ucx, reg or cuda"
                 )
         if "use_async" in d and not isinstance(d["use_async"], bool):
             raise ValueError(
