@@ -136,7 +136,10 @@ def _tuned(applied: dict[str, str]) -> list[dict]:
         elif env is not None:
             state = f"UCX_{name}={env} in the environment"
         else:
-            state = "not set: no such option in this UCX (too old, or the transport did not load)"
+            state = (
+                "not set: no such option in this UCX (too old, or the "
+                "transport did not load)"
+            )
         rows.append(
             {
                 "option": name,
