@@ -22,7 +22,8 @@
 #    too), GPU and host memory mapped by UCX both ways (-m cuda:ucx, -m
 #    ucx:cuda: the host memory ucx_perftest uses), and GPU with NumPy host
 #    memory both ways (-m cuda:host, -m host:cuda: pageable, so no
-#    like-for-like ratio); each GPU row also shows its limit, the machine's
+#    like-for-like ratio), and NumPy memory registered with the context
+#    (-m reg:cuda: pinned by UCX); each GPU row also shows its limit, the machine's
 #    copy between the same memory kinds, and the fraction of it reached;
 #    then the protocols UCX picks on those paths (UCX_PROTO_INFO=y), one
 #    table per operation;
@@ -145,6 +146,7 @@ if [ $? -eq 0 ]; then
     step "gpucx bench -m ucx:cuda vs ucx_perftest" bench ucx:cuda
     step "gpucx bench -m cuda:host (NumPy host memory) vs ucx_perftest" bench cuda:host
     step "gpucx bench -m host:cuda (NumPy host memory) vs ucx_perftest" bench host:cuda
+    step "gpucx bench -m reg:cuda (registered NumPy memory) vs ucx_perftest" bench reg:cuda
     step "UCX protocols of the GPU paths (UCX_PROTO_INFO)" protocols
 fi
 

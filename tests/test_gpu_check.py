@@ -204,6 +204,7 @@ def test_bench_steps_cover_every_gpu_row_of_the_issue():
         "bench ucx:cuda",
         "bench cuda:host",
         "bench host:cuda",
+        "bench reg:cuda",
     ]
     assert steps.index("copy_limits") < steps.index("bench cuda array_bw")
     assert "protocols" in steps and "pytest_cuda tests" in steps
