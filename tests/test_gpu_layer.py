@@ -871,3 +871,62 @@ def test_unpack_device_without_driver(no_driver, pair):
     with pytest.raises(ValueError, match=">= 0"):
         pair.ab.unpack(region.remote(), device=-2)
     region.close()
+
+
+class _OkSpy(PostSpy):
+    """A :class:`PostSpy` whose posts report success (``UCS_OK``) instead
+    of raising: the operation goes on past its post, as a completed send."""
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name not in self._names:
+            return attr
+
+        def post(*args):
+            self._events.append(("post", name, args[self._mt_index]))
+            return 0
+
+        return post
+
+
+@pytest.mark.parametrize(
+    "module, names, mt_index, send",
+    [
+        (_tag, {"gpucx_tag_send_wait"}, 5, lambda ep, a: ep.send(a, tag=3)),
+        (_tag, {"gpucx_tag_send"}, 4, lambda ep, a: ep.send_nb(a, tag=3)),
+        (_am, {"gpucx_am_send_wait"}, 7, lambda ep, a: ep.am_send(4, a)),
+        (_am, {"gpucx_am_send"}, 6, lambda ep, a: ep.am_send_nb(4, a)),
+    ],
+    ids=["send", "send_nb", "am_send", "am_send_nb"],
+)
+def test_device_sends_look_up_their_protocol_once(
+    fake_driver, pair, monkeypatch, module, names, mt_index, send
+):
+    """The slow-path check (gpucx.protocols.first_use) runs on an endpoint's
+    first send of device memory, once per memory type, and never for host
+    memory (no host send has a slow path by its rules)."""
+    arr = np.arange(32, dtype=np.uint8)
+    events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=0)
+    monkeypatch.setattr(module, "lib", _OkSpy(module.lib, names, events, mt_index))
+    looked = []
+
+    def first_use(ep, op, bit, *args):
+        looked.append((op, bit))
+        ep._proto_seen |= 1 << bit  # as the real one records it
+
+    monkeypatch.setattr(module._protocols, "first_use", first_use)
+    op = "am" if module is _am else "tag"
+    bit = (48 if module is _am else 32) + CUDA
+    for _ in range(3):
+        req = send(pair.ab, FakeCudaArrayV2(arr))
+        if req is not None:
+            req.wait(5)
+    assert [e for e in events if e[0] == "post"] == [("post", *names, CUDA)] * 3
+    assert looked == [(op, bit)]
+    host = np.zeros(8, np.uint8)
+    monkeypatch.setattr(module, "lib", module.lib._lib)
+    del looked[:]
+    req = send(pair.ba, host)
+    if req is not None:
+        pair.drive(req)
+    assert looked == []

@@ -40,6 +40,7 @@ import sys
 import warnings
 
 from .. import _bounds
+from .. import protocols as _protocols
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import (
@@ -898,8 +899,22 @@ def am_send(
             st = lib.gpucx_am_send_wait(
                 w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
             )
+        if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
+            _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
+
+
+#: gpucx.protocols' first-use bits of AM sends: one per device memory type
+#: (tag sends use 32 + memory type, RMA the bits below 32).
+_AM_PROTO_BIT = 48
+
+
+def _check_protocol(ep, mt: int, n: int, slot) -> None:
+    """Once per endpoint and device memory type: warn if UCX put this active
+    message on a slow path (gpucx.protocols).  Host memory has none by its
+    rules, so the host path does not look."""
+    _protocols.first_use(ep, "am", _AM_PROTO_BIT + mt, n, (mt, ""), slot)
 
 
 def am_send_nb(
@@ -958,6 +973,8 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
         with _cuda.door(w, ptr, mt, stream, _SEND, keep):
             slot = new_slot() if w._multi else w._sslot
             st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
+        if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
+            _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
     return posted(w, slot, st, keep, _SEND, ep)
 
 
