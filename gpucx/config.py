@@ -91,6 +91,10 @@ GPUCX_OPTIONS: dict[str, float] = {
     # Arrays (send_array) waiting for recv_array, all senders together.
     "ARRAY_QUEUE_MAX_COUNT": 4096.0,
     "ARRAY_QUEUE_MAX_BYTES": float(64 * _MiB),
+    # gpucx's own same-host path for put/get on CUDA regions (1 = on, 0 =
+    # off: UCX serves every put and get); see docs/rma.md.  Also read from
+    # the environment.
+    "CUDA_IPC_RMA": 1.0,
 }
 #: gpucx options whose value must be a whole number.
 GPUCX_INTEGER_OPTIONS = frozenset(
@@ -104,11 +108,12 @@ GPUCX_INTEGER_OPTIONS = frozenset(
         "NOTIFY_MAX_BYTES",
         "ARRAY_QUEUE_MAX_COUNT",
         "ARRAY_QUEUE_MAX_BYTES",
+        "CUDA_IPC_RMA",
     }
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a
 #: ``Context(config=...)`` value wins.
-GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US")
+GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US", "CUDA_IPC_RMA")
 
 
 def _number(name: str, value: object, where: str) -> float:

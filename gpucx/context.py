@@ -93,6 +93,8 @@ class Context(Handle):
         self.tuned = tuned
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
         self._spin_ns = int(own["SPIN_US"] * 1000)
+        #: gpucx's own same-host path for put/get on CUDA regions (ops.ipc).
+        self._cuda_ipc_rma = bool(own["CUDA_IPC_RMA"])
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
         self._options = own
         # Regions exported for gpucx's emulated atomics (gpucx.ops.atomic).

@@ -20,6 +20,7 @@ from .ops import am as _am
 from .ops import am_batch as _am_batch
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
+from .ops import ipc as _own
 from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
@@ -189,11 +190,13 @@ class Endpoint(Handle):
         """
         return _protocols.protocols(self)
 
-    def protocol(self, op: str, nbytes: int, memory=("host", "host")):
+    def protocol(self, op: str, nbytes: int, memory=("host", "host"), *, rkey=None):
         """The protocol UCX selected for ``op`` ("tag", "am", "stream",
         "put", "get", ...) of ``nbytes`` bytes between ``memory`` (local,
         remote), or None when UCX has selected none yet or does not report
-        it (:func:`gpucx.protocols.protocol`).
+        it (:func:`gpucx.protocols.protocol`).  A put or get gpucx copies
+        itself over CUDA IPC (for ``rkey`` when given, see docs/rma.md)
+        reads ``"gpucx cuda_ipc copy"``.
 
         Raises
         ------
@@ -202,7 +205,7 @@ class Endpoint(Handle):
         gpucx.ClosedError
             If the endpoint is closed.
         """
-        return _protocols.protocol(self, op, nbytes, memory)
+        return _protocols.protocol(self, op, nbytes, memory, rkey=rkey)
 
     @property
     def local_sockaddr(self) -> tuple[str, int] | None:
@@ -247,6 +250,9 @@ class Endpoint(Handle):
         h = self._h
         if h is None:
             raise_closed(self)
+        w = self._w
+        if w._copies:  # gpucx's own copies (gpucx.ops.ipc) first
+            _own.drain(w, self, timeout)
         slot = new_slot()
         st = lib.gpucx_ep_flush(h, slot)
         finish(self._w, slot, st, timeout, f"flush of endpoint {self.peer}", self)

@@ -37,6 +37,14 @@ Slow paths (:func:`is_slow`, documented in docs/gpu.md):
    for a range reaching past :data:`COPY_SLOW_ABOVE` bytes: the data is
    staged through host bounce buffers piece by piece.
 
+gpucx's own path (:mod:`gpucx.ops.ipc`): a ``put``/``get`` between host
+memory and a CUDA region of a process on this host, or a ``get`` of one
+into CUDA memory, that gpucx copies itself with the copy engines over CUDA
+IPC is reported as a :class:`Protocol` with ``description`` ``"gpucx
+cuda_ipc copy"``, ``config`` ``"gpucx/cuda_ipc"`` and ``source``
+``"gpucx"`` (:func:`protocol` with the key, :func:`probe`,
+:attr:`Request.protocol`); it is never slow.
+
 ``no data fetch`` and everything else (short, eager, zero-copy, rendezvous
 over ``cuda_ipc``, ``cma``, ``knem``, ``rkey_ptr``, RDMA) is not slow.
 """
@@ -66,6 +74,7 @@ __all__ = [
     "protocol",
     "probe",
     "probe_nb",
+    "own_path",
     "SlowPathWarning",
 ]
 
@@ -411,11 +420,62 @@ def _match(rows, op, nbytes, local, remote, variant):
     return None if best is None else best[1]
 
 
-def protocol(ep, op: str, nbytes: int, memory=("host", "host"), variant: str = ""):
+def own_path(op: str, ep=None, local: str = "", remote: str = "cuda"):
+    """The :class:`Protocol` row of gpucx's own copy-engine path
+    (:mod:`gpucx.ops.ipc`) for ``op`` ("put", "get" or a request's name)."""
+    name = "get" if op.startswith("get") else "put"
+    return Protocol(
+        op=name,
+        operation=f"{name} by gpucx over CUDA IPC",
+        start=0,
+        end=None,
+        description="gpucx cuda_ipc copy",
+        config="gpucx/cuda_ipc",
+        slow=False,
+        source="gpucx",
+        endpoint_config="",
+        local_memory=local,
+        remote_memory=remote,
+    )
+
+
+def _own_route(ep, op: str, local: str, remote: str, rkey) -> bool:
+    """Whether gpucx's own path takes ``op`` with these memory types: with
+    ``rkey``, for that key; without, for a key of ``ep`` whose CUDA IPC
+    handle is open."""
+    if op not in ("put", "get") or remote not in ("cuda", ""):
+        return False
+    from .ops import ipc as _own
+
+    if rkey is not None:
+        return rkey.memory_type.name == "CUDA" and _own.would_route(rkey, local, op)
+    if not remote:
+        return False
+    for child in list(getattr(ep, "_children", ())):
+        if getattr(child, "cuda_ipc", None) == "open" and _own.would_route(
+            child, local, op
+        ):
+            return True
+    return False
+
+
+def protocol(
+    ep,
+    op: str,
+    nbytes: int,
+    memory=("host", "host"),
+    variant: str = "",
+    *,
+    rkey=None,
+):
     """The protocol UCX selected on ``ep`` for ``op`` of ``nbytes`` bytes,
     or None when UCX has not selected one yet (no such operation posted on
     an endpoint of this configuration) or does not report it (remote-key
     operations without ``PROTO_INFO`` nor a queried request).
+
+    A ``put``/``get`` that gpucx's own path takes (see the module doc) gets
+    that path's row (:func:`own_path`): for ``rkey`` when given, else when
+    a key of ``ep`` to CUDA memory has its CUDA IPC handle open.
 
     Parameters
     ----------
@@ -430,6 +490,9 @@ def protocol(ep, op: str, nbytes: int, memory=("host", "host"), variant: str = "
     variant : str
         UCX's operation flags ("fast-completion", "multi"); "" for the
         plain operations gpucx posts.
+    rkey : RemoteKey, optional
+        The key of a ``put``/``get``: says whether gpucx's own path takes
+        it (its remote memory type is the key's).
 
     Raises
     ------
@@ -443,6 +506,12 @@ def protocol(ep, op: str, nbytes: int, memory=("host", "host"), variant: str = "
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
     local, remote = _memory_pair(memory)
+    if rkey is not None:
+        remote = _norm(rkey.memory_type)
+    if not variant and _own_route(ep, op, local, remote, rkey):
+        if ep._h is None:
+            raise_closed(ep)
+        return own_path(op, ep, local, remote)
     return _match(protocols(ep), op, nbytes, local, remote, variant)
 
 
@@ -492,6 +561,7 @@ def probe_nb(ep, op: str, buf, rkey, offset: int = 0):
     """
     from .mem import cuda as _cuda
     from .mem.memtype import HOST_INT
+    from .ops import ipc as _own
     from .ops import rma as _rma
     from .request import new_slot, posted
 
@@ -500,6 +570,10 @@ def probe_nb(ep, op: str, buf, rkey, offset: int = 0):
     is_get = op == "get"
     h, ptr, n, mt, keep, raddr = _rma._checked(ep, buf, rkey, offset, None, op)
     w = ep._w
+    m = _own.route(ep, rkey, mt, ptr, is_get)
+    if m is not None:  # gpucx's own path: no UCX request to query
+        own = _own.post(ep, m, rkey, ptr, n, raddr, is_get, None, keep, op)
+        return own, own_path(op, ep, _norm(mt), _norm(rkey.memory_type))
     slot = new_slot()
     out = ffi.new("char[]", 1024)
     args = (h, is_get, ptr, n, raddr, rkey._h, mt, slot, out, 1024)

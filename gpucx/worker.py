@@ -15,6 +15,7 @@ from .errors import ClosedError, check
 from .ops import am as _am
 from .ops import arrays as _arrays
 from .ops import atomic as _atomic
+from .ops import ipc as _own
 from .ops import rma as _rma
 from .ops import tag as _tag
 from .request import INPROGRESS, _due, finish, new_slot, settle
@@ -73,6 +74,10 @@ class Worker(Handle):
         self._pending: set = set()
         self._sweep_at = _SWEEP_MIN
         self._parked: list = []
+        # gpucx's own copy-engine copies in flight (gpucx.ops.ipc) and the
+        # streams they run on (made at the first).
+        self._copies: list = []
+        self._ipc_engine = None
         self._address: bytes | None = None
         self._ucx_address: bytes | None = None
         # Liveness of peers on this host (gpucx._liveness): endpoint ->
@@ -135,6 +140,8 @@ class Worker(Handle):
             if n & _DUE_DROPS:  # a queue cap dropped some
                 _bounds.dropped(self)
             n &= _COUNT
+        if self._copies:
+            _own.poll(self)
         if self._watched or self._parked:
             # Peers on this host, or operations UCX still held when their
             # endpoint failed: look at them now and then (a loop of
@@ -237,6 +244,8 @@ class Worker(Handle):
         h = self._h
         if h is None:
             raise_closed(self)
+        if self._copies:  # gpucx's own copies (gpucx.ops.ipc) first
+            _own.drain(self, None, timeout)
         slot = new_slot()
         finish(self, slot, lib.gpucx_worker_flush(h, slot), timeout, "worker flush")
 

@@ -220,7 +220,7 @@ def _header(**kw) -> bytes:
         (b"", "truncated"),
         (b"GXRM", "truncated"),
         (_reseal(_header(magic=b"XXXX")), "magic"),
-        (_reseal(_header(version=2)), "version 2"),
+        (_reseal(_header(version=3)), "version 3"),
         (_reseal(_header(version=0)), "version 0"),
         (_reseal(_header(rlen=0, rkey=b"")) + b"\0", "rkey length 0"),
         (_reseal(_header(rlen=1 << 20)), "rkey length"),

@@ -78,7 +78,27 @@ _EVENT_DISABLE_TIMING = 0x2
 
 
 class DriverError(RuntimeError):
-    """A CUDA driver call failed (the message names the call and the error)."""
+    """A CUDA driver call failed (the message names the call and the error).
+
+    Attributes
+    ----------
+    code : int
+        The ``CUresult`` (0 when unknown).
+    """
+
+    code = 0
+
+
+#: ``CU_IPC_HANDLE_SIZE``: bytes of a ``CUipcMemHandle``.
+IPC_HANDLE_SIZE = 64
+#: ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``.
+IPC_LAZY_ENABLE_PEER_ACCESS = 0x1
+
+
+class IpcMemHandle(ctypes.Structure):
+    """``CUipcMemHandle``: 64 opaque bytes, passed by value."""
+
+    _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_SIZE)]
 
 
 class Driver:
@@ -130,6 +150,20 @@ class Driver:
             "cuStreamDestroy_v2": [vp],
             "cuStreamSynchronize": [vp],
             "cuEventElapsedTime": [ctypes.POINTER(ctypes.c_float), vp, vp],
+            # gpucx's own same-host RMA path (gpucx.mem.ipc, gpucx.ops.ipc).
+            "cuMemGetAddressRange_v2": [
+                ctypes.POINTER(ctypes.c_uint64),
+                ctypes.POINTER(ctypes.c_size_t),
+                ctypes.c_uint64,
+            ],
+            "cuIpcGetMemHandle": [ctypes.POINTER(IpcMemHandle), ctypes.c_uint64],
+            "cuIpcOpenMemHandle_v2": [
+                ctypes.POINTER(ctypes.c_uint64),
+                IpcMemHandle,
+                u,
+            ],
+            "cuIpcCloseMemHandle": [ctypes.c_uint64],
+            "cuStreamWaitEvent": [vp, vp, u],
         }
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
@@ -161,7 +195,9 @@ class Driver:
                 text = (name.value or b"").decode()
             else:
                 text = f"CUresult {rc}"
-            raise DriverError(f"{what}: {text}")
+            err = DriverError(f"{what}: {text}")
+            err.code = rc
+            raise err
 
     def version(self) -> int:
         """``cuDriverGetVersion`` (e.g. 12040 for CUDA 12.4)."""
@@ -314,6 +350,64 @@ class Driver:
         """``cuEventDestroy``."""
         self._check(
             self._lib.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy"
+        )
+
+    # -- CUDA IPC and stream order (gpucx's own same-host RMA path) ------------
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """``(base, size)`` of the allocation holding ``ptr``
+        (``cuMemGetAddressRange``)."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check(
+            self._lib.cuMemGetAddressRange_v2(
+                ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)
+            ),
+            "cuMemGetAddressRange",
+        )
+        return base.value, size.value
+
+    def ipc_get_handle(self, base: int) -> bytes:
+        """The 64-byte ``CUipcMemHandle`` of the allocation at ``base``
+        (``cuIpcGetMemHandle``)."""
+        h = IpcMemHandle()
+        self._check(
+            self._lib.cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(base)),
+            "cuIpcGetMemHandle",
+        )
+        # All 64 bytes (the field's .value would stop at the first NUL).
+        return ctypes.string_at(ctypes.addressof(h), IPC_HANDLE_SIZE)
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Map another process's allocation in the current context
+        (``cuIpcOpenMemHandle`` with ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``);
+        returns its address here."""
+        if len(handle) != IPC_HANDLE_SIZE:
+            raise ValueError(f"a CUDA IPC handle is 64 bytes, not {len(handle)}")
+        h = IpcMemHandle()
+        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_SIZE)
+        out = ctypes.c_uint64()
+        self._check(
+            self._lib.cuIpcOpenMemHandle_v2(
+                ctypes.byref(out), h, IPC_LAZY_ENABLE_PEER_ACCESS
+            ),
+            "cuIpcOpenMemHandle",
+        )
+        return out.value
+
+    def ipc_close(self, ptr: int) -> None:
+        """Unmap what :meth:`ipc_open` mapped (``cuIpcCloseMemHandle``)."""
+        self._check(
+            self._lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)), "cuIpcCloseMemHandle"
+        )
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Make work queued on ``stream`` after this call wait for ``event``
+        (``cuStreamWaitEvent``); the host does not wait."""
+        self._check(
+            self._lib.cuStreamWaitEvent(
+                ctypes.c_void_p(stream), ctypes.c_void_p(event), 0
+            ),
+            "cuStreamWaitEvent",
         )
 
     # -- copies timed on a stream (gpucx.bench.limits) -------------------------

@@ -18,11 +18,14 @@ from .._handle import Handle, raise_closed
 from .._lib import ffi, lib
 from ..errors import UnsupportedError, check
 from . import cuda as _cuda
+from . import ipc as _ipc
 from .buffer import as_buffer
 from .memtype import CUDA_TYPES, MemoryType
 from .remote import RemoteMemory
 
 __all__ = ["MemoryRegion", "register", "allocate"]
+
+_UNSET = object()
 
 
 class _Memory:
@@ -103,6 +106,7 @@ class MemoryRegion(Handle):
         self.obj = obj
         self._alloc = alloc
         self._packed: bytes | None = None
+        self._ipc_block: object = _UNSET  # the token's CUDA IPC block, once made
         self._memory_ref = None  # weakref to the _Memory views hold
         #: The allocated region whose mapping this one shares (register()
         #: of memory inside it), or None: it closes this one first and
@@ -168,14 +172,30 @@ class MemoryRegion(Handle):
     def remote(self) -> RemoteMemory:
         """The token a peer unpacks with :meth:`Endpoint.unpack`.
 
+        The token of a CUDA region also carries the CUDA IPC handle of the
+        allocation holding it and this process's host identity (made once,
+        at the first call), so that a peer on this host can copy with the
+        copy engines itself (docs/rma.md, "gpucx's own path for CUDA
+        regions"); memory the driver cannot export gets a token without.
+
         Raises
         ------
         gpucx.ClosedError
             If the region is closed.
         """
         rkey = self.ucx_rkey()
+        block = self._ipc_block
+        if block is _UNSET:
+            block = self._ipc_block = _ipc.export(
+                self.address, self.nbytes, self.memory_type
+            )
         return RemoteMemory(
-            self.address, self.nbytes, self.memory_type, rkey, self.readonly
+            self.address,
+            self.nbytes,
+            self.memory_type,
+            rkey,
+            self.readonly,
+            block,  # type: ignore[arg-type]
         )
 
     def as_array(self, dtype=numpy.uint8, shape=None):

@@ -16,6 +16,24 @@ It travels as bytes in a fixed layout (all integers little-endian)::
     28      R     packed remote key (ucp_rkey_pack)
     28+R    4     CRC-32 (zlib) of bytes 0 .. 28+R
 
+Format version 2 is version 1 with a CUDA IPC block between the packed
+key and the CRC (the CRC covers it); a token is written as version 2 only
+when it carries one (a CUDA region whose allocation the driver could
+export), so tokens of host regions stay readable by older gpucx::
+
+    28+R    2     block length (108)
+    30+R    64    CUipcMemHandle of the allocation holding the region
+    94+R    8     offset of the region's first byte in that allocation
+    102+R   8     size of the allocation
+    110+R   16    owner's boot id (/proc/sys/kernel/random/boot_id)
+    126+R   8     owner's pid-namespace inode
+    134+R   4     owner's pid
+    138+R   4     CRC-32 of bytes 0 .. 138+R
+
+The block lets a peer on the same host (same boot id and pid namespace)
+copy to and from the region with the copy engines, without UCX
+(gpucx.ops.ipc; docs/rma.md, "gpucx's own path for CUDA regions").
+
 Pickling a :class:`RemoteMemory` goes through the same bytes; nothing but
 these fields is ever deserialized.  :meth:`RemoteMemory.from_bytes` rejects
 truncated, oversized, foreign, newer or corrupted blobs with a
@@ -42,14 +60,24 @@ from .._internal import defer_to_closing, handle, pending_holding
 from .._lib import ffi, lib
 from ..errors import check
 from ..request import settle
-from .memtype import MemoryType
+from .memtype import CUDA_TYPES, MemoryType
 
-__all__ = ["RemoteMemory", "RemoteKey", "MAGIC", "FORMAT_VERSION"]
+__all__ = [
+    "RemoteMemory",
+    "RemoteKey",
+    "CudaIpc",
+    "MAGIC",
+    "FORMAT_VERSION",
+    "FORMAT_VERSION_IPC",
+]
 
 #: First four bytes of every token.
 MAGIC = b"GXRM"
-#: The token layout this gpucx writes and reads.
+#: The token layout this gpucx writes for a region without a CUDA IPC block
+#: (it reads it and :data:`FORMAT_VERSION_IPC`).
 FORMAT_VERSION = 1
+#: The layout of a token that carries a CUDA IPC block.
+FORMAT_VERSION_IPC = 2
 #: Largest packed remote key a token may carry.
 MAX_RKEY_LEN = 1 << 16
 
@@ -61,8 +89,77 @@ _KNOWN_FLAGS = FLAG_READONLY
 
 _HEADER = struct.Struct("<4sBBHQQI")
 _CRC = struct.Struct("<I")
+_IPC_LEN = struct.Struct("<H")
+_IPC = struct.Struct("<64sQQ16sQI")
 _MIN_LEN = _HEADER.size + 1 + _CRC.size
 _U64 = 1 << 64
+
+
+class CudaIpc:
+    """The CUDA IPC block of a token: what a peer on the owner's host needs
+    to map the region's allocation (``cuIpcOpenMemHandle``) and who made it.
+
+    Attributes
+    ----------
+    handle : bytes
+        The 64-byte ``CUipcMemHandle`` of the allocation.
+    offset : int
+        Offset of the region's first byte in the allocation.
+    alloc_size : int
+        Size of the allocation in bytes.
+    boot_id : bytes
+        The owner's boot id (16 bytes).
+    pidns : int
+        Inode of the owner's pid namespace.
+    pid : int
+        The owner's process id.
+
+    Raises
+    ------
+    ValueError
+        (constructor) For a handle that is not 64 bytes, a boot id that is
+        not 16, or a field outside its range.
+    """
+
+    __slots__ = ("handle", "offset", "alloc_size", "boot_id", "pidns", "pid")
+    handle: bytes
+    offset: int
+    alloc_size: int
+    boot_id: bytes
+    pidns: int
+    pid: int
+
+    def __init__(self, handle, offset, alloc_size, boot_id, pidns, pid):
+        handle, boot_id = bytes(handle), bytes(boot_id)
+        if len(handle) != 64:
+            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, not 64")
+        if len(boot_id) != 16:
+            raise ValueError(f"boot id of {len(boot_id)} bytes, not 16")
+        fields = (int(offset), int(alloc_size), int(pidns), int(pid))
+        if not all(0 <= v < _U64 for v in fields[:3]) or not 0 <= fields[3] < 1 << 32:
+            raise ValueError(f"CUDA IPC block field out of range: {fields}")
+        values = (handle, fields[0], fields[1], boot_id, *fields[2:])
+        for name, v in zip(self.__slots__, values, strict=True):
+            object.__setattr__(self, name, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("CudaIpc is immutable")
+
+    def __repr__(self) -> str:
+        return (
+            f"<gpucx.mem.remote.CudaIpc pid={self.pid} offset={self.offset} "
+            f"alloc_size={self.alloc_size}>"
+        )
+
+    def pack(self) -> bytes:
+        return _IPC.pack(
+            self.handle,
+            self.offset,
+            self.alloc_size,
+            self.boot_id,
+            self.pidns,
+            self.pid,
+        )
 
 
 class RemoteMemory:
@@ -84,21 +181,27 @@ class RemoteMemory:
     readonly : bool
         The owner exported the region for reading only: puts and atomics
         are refused.
+    ipc : CudaIpc or None
+        For a CUDA region: its allocation's CUDA IPC handle and the owner's
+        host identity, for gpucx's own same-host path (None when the owner
+        could not export one, or for other memory).
 
     Raises
     ------
     ValueError
         (constructor) For a negative address or size, a region that wraps
         the 64-bit address space, an empty rkey or one over 65536 bytes,
-        or an unknown memory type.
+        an unknown memory type, or an ``ipc`` block whose allocation does
+        not hold the region.
     """
 
-    __slots__ = ("address", "nbytes", "memory_type", "rkey", "readonly")
+    __slots__ = ("address", "nbytes", "memory_type", "rkey", "readonly", "ipc")
     address: int
     nbytes: int
     memory_type: MemoryType
     rkey: bytes
     readonly: bool
+    ipc: CudaIpc | None
 
     def __init__(
         self,
@@ -107,6 +210,7 @@ class RemoteMemory:
         memory_type: MemoryType,
         rkey: bytes,
         readonly: bool = False,
+        ipc: CudaIpc | None = None,
     ):
         address = int(address)
         nbytes = int(nbytes)
@@ -127,15 +231,26 @@ class RemoteMemory:
         object.__setattr__(self, "memory_type", MemoryType(memory_type))
         object.__setattr__(self, "rkey", rkey)
         object.__setattr__(self, "readonly", bool(readonly))
+        if ipc is not None:
+            if not isinstance(ipc, CudaIpc):
+                raise TypeError(f"ipc must be a CudaIpc, not {type(ipc).__name__}")
+            if ipc.offset + nbytes > ipc.alloc_size:
+                raise ValueError(
+                    f"remote memory: CUDA IPC block: the region ({ipc.offset} + "
+                    f"{nbytes} bytes) is outside its allocation of "
+                    f"{ipc.alloc_size} bytes"
+                )
+        object.__setattr__(self, "ipc", ipc)
 
     def __setattr__(self, name, value):
         raise AttributeError("RemoteMemory is immutable")
 
     def __repr__(self) -> str:
         ro = ", readonly" if self.readonly else ""
+        ipc = ", cuda ipc" if self.ipc is not None else ""
         return (
             f"<gpucx.RemoteMemory address={self.address:#x} nbytes={self.nbytes} "
-            f"{self.memory_type.name} rkey={len(self.rkey)} bytes{ro}>"
+            f"{self.memory_type.name} rkey={len(self.rkey)} bytes{ro}{ipc}>"
         )
 
     def __eq__(self, other):
@@ -151,9 +266,10 @@ class RemoteMemory:
 
     def to_bytes(self) -> bytes:
         """The token in the documented binary layout (see the module doc)."""
+        ipc = self.ipc
         head = _HEADER.pack(
             MAGIC,
-            FORMAT_VERSION,
+            FORMAT_VERSION if ipc is None else FORMAT_VERSION_IPC,
             int(self.memory_type),
             FLAG_READONLY if self.readonly else 0,
             self.address,
@@ -161,6 +277,8 @@ class RemoteMemory:
             len(self.rkey),
         )
         body = head + self.rkey
+        if ipc is not None:
+            body += _IPC_LEN.pack(_IPC.size) + ipc.pack()
         return body + _CRC.pack(zlib.crc32(body))
 
     @classmethod
@@ -206,16 +324,19 @@ class RemoteMemory:
                 f"{MAGIC!r} (Endpoint.unpack takes region.remote() or its "
                 "to_bytes(), not the bare UCX key of region.ucx_rkey())"
             )
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, FORMAT_VERSION_IPC):
             raise ValueError(
                 f"remote-memory token format version {version}; this gpucx reads "
-                f"version {FORMAT_VERSION}"
+                f"versions {FORMAT_VERSION} and {FORMAT_VERSION_IPC}"
             )
         if not 0 < rlen <= MAX_RKEY_LEN:
             raise ValueError(
                 f"remote-memory token: rkey length {rlen} outside 1..{MAX_RKEY_LEN}"
             )
-        want = _HEADER.size + rlen + _CRC.size
+        ext = 0
+        if version == FORMAT_VERSION_IPC:
+            ext = _IPC_LEN.size + _IPC.size
+        want = _HEADER.size + rlen + ext + _CRC.size
         if n < want:
             raise ValueError(
                 f"remote-memory token truncated: {n} bytes, the header says {want}"
@@ -241,12 +362,28 @@ class RemoteMemory:
                 f"remote-memory token: region {address:#x} + {nbytes} bytes "
                 "wraps the address space"
             )
+        ipc = None
+        if ext:
+            at = _HEADER.size + rlen
+            (blen,) = _IPC_LEN.unpack_from(data, at)
+            if blen != _IPC.size:
+                raise ValueError(
+                    f"remote-memory token: CUDA IPC block of {blen} bytes, "
+                    f"expected {_IPC.size}"
+                )
+            if memory_type not in CUDA_TYPES:
+                raise ValueError(
+                    "remote-memory token: a CUDA IPC block on a "
+                    f"{memory_type.name} region"
+                )
+            ipc = CudaIpc(*_IPC.unpack_from(data, at + _IPC_LEN.size))
         return cls(
             address,
             nbytes,
             memory_type,
             data[_HEADER.size : _HEADER.size + rlen],
             bool(flags & FLAG_READONLY),
+            ipc,
         )
 
 
@@ -276,6 +413,11 @@ class RemoteKey(Handle):
         The token it was unpacked from.
     endpoint : Endpoint
         The endpoint it is bound to; RMA through any other is refused.
+
+    Closing a key whose CUDA IPC handle gpucx opened (gpucx's own path,
+    :attr:`cuda_ipc`) first waits for the copies still in flight on it
+    (they need no peer: the copy engines finish them), then closes the
+    handle.
     """
 
     def __init__(self, ep, remote: RemoteMemory):
@@ -299,6 +441,13 @@ class RemoteKey(Handle):
         self._base = remote.address
         self._size = remote.nbytes
         self._readonly = remote.readonly
+        #: gpucx's own path (gpucx.mem.ipc): "unopened", the Mapping once
+        #: opened, or why the path is not taken.
+        self._ipc: object = (
+            "unopened" if remote.ipc is not None else "no CUDA IPC handle in the token"
+        )
+        #: The device whose context opens the handle (None: the current one).
+        self._ipc_device: int | None = None
         ep._adopt(self)
 
     def __repr__(self) -> str:
@@ -320,6 +469,17 @@ class RemoteKey(Handle):
     def memory_type(self) -> MemoryType:
         """Memory type of the remote region."""
         return self.remote.memory_type
+
+    @property
+    def cuda_ipc(self) -> str:
+        """State of gpucx's own same-host path for this key (docs/rma.md):
+        ``"open"`` (the owner's allocation is mapped here; puts and gets
+        from host memory, and gets into CUDA memory, are copy-engine
+        copies), ``"unopened"`` (the token carries a CUDA IPC handle, not
+        opened yet: it opens at the first put or get that can use it), or
+        why the path is not taken (UCX serves every operation)."""
+        state = self._ipc
+        return state if type(state) is str else "open"
 
     def _target(self, ep, offset, nbytes: int, what: str, write: bool) -> int:
         """Check an access and return the remote address (before UCX)."""
@@ -347,6 +507,12 @@ class RemoteKey(Handle):
         return self._base + offset
 
     def _release(self) -> None:
+        close = getattr(self._ipc, "close", None)
+        if close is not None:
+            # gpucx's own copies on the mapping end first (they need no
+            # peer), then the handle closes.
+            close()
+            self._ipc = "closed"
         ep = self.endpoint
         wh = handle(ep.worker)
         pending = pending_holding(ep.worker, self)

@@ -26,6 +26,7 @@ from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
+from ..mem.ipc import UNOPENED as _UNOPENED
 from ..mem.memtype import CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
@@ -38,6 +39,7 @@ from ..request import (
     raise_status,
     wait_for,
 )
+from . import ipc as _own
 from ._prepared import Prepared
 
 __all__ = [
@@ -113,9 +115,13 @@ def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     if cuda_key and drv is not None:
         pushed = _cuda.enter(0, _cuda.current_device() if device is None else device)
     try:
-        return RemoteKey(ep, rem)
+        key = RemoteKey(ep, rem)
     finally:
         _cuda.leave(pushed)
+    # gpucx's own path opens the key's CUDA IPC handle (if any) in this
+    # device's context, at the first put or get that uses it.
+    key._ipc_device = device
+    return key
 
 
 def _check_device(device, drv, cuda_key: bool) -> None:
@@ -217,6 +223,13 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
     w = ep._w
     note = _notify_bytes(notify, w)
+    state = rkey._ipc
+    if type(state) is not str or state == _UNOPENED:
+        m = _own.route(ep, rkey, mt, ptr, False)
+        if m is not None:
+            return _own.post(
+                ep, m, rkey, ptr, n, raddr, False, stream, keep, "put with notify", note
+            )
     op = ffi.new("gpucx_notify_op_t *")
     if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
@@ -277,6 +290,14 @@ def _post_wait(
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
+    state = rkey._ipc
+    if type(state) is not str or state == _UNOPENED:
+        # gpucx's own same-host path (gpucx.ops.ipc), when it applies.
+        m = _own.route(ep, rkey, mt, ptr, is_get)
+        if m is not None:
+            req = _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
+            req.wait(timeout)
+            return
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
         st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
@@ -317,6 +338,11 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
+    state = rkey._ipc
+    if type(state) is not str or state == _UNOPENED:
+        m = _own.route(ep, rkey, mt, ptr, is_get)
+        if m is not None:
+            return _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
     if mt == _HOST and stream is None:
         slot = _sync_slot(w)
         st = post(h, ptr, n, raddr, rkey._h, mt, slot)

@@ -13,10 +13,23 @@
  * memory are both malloc'd host memory; device allocations are entered in
  * the pointer table), streams, copies queued on a stream (done at once with
  * memmove), and timing events whose elapsed time a test sets.
+ *
+ * CUDA IPC between real processes: every cuMemAlloc allocation is a POSIX
+ * shared-memory object ("/gpucxfake.<pid>.<n>", unlinked by cuMemFree), and
+ * cuIpcGetMemHandle writes its name into the 64-byte handle, so that
+ * cuIpcOpenMemHandle in another process maps the same bytes (entered in
+ * that process's pointer table as device memory of the current context).
+ * Opens and closes are counted, opens can be made to fail, and a close
+ * while a recorded event has not completed is counted too (close order).
+ * Calls of interest get a sequence number (stream order).
  */
+#include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -31,6 +44,9 @@ typedef unsigned long long CUdeviceptr;
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_INVALID_CONTEXT 201
 #define CUDA_ERROR_INVALID_HANDLE 400
+#define CUDA_ERROR_MAP_FAILED 205
+#define CUDA_ERROR_PEER_ACCESS_UNSUPPORTED 217
+#define CUDA_ERROR_ALREADY_MAPPED 208
 #define CUDA_ERROR_NOT_READY 600
 
 static int initialized;
@@ -38,7 +54,11 @@ static __thread CUcontext stack[16];
 static __thread int depth;  /* stack[depth - 1] is current */
 
 #define MAX_PTRS 64
-static struct { uintptr_t ptr; int dev; int managed; } ptrs[MAX_PTRS];
+/* size: bytes of a cuMemAlloc or IPC mapping (0: fake_register'd memory);
+ * shm: 1 for an allocation (its name in name), 2 for an IPC mapping. */
+static struct {
+    uintptr_t ptr; int dev; int managed; size_t size; int shm; char name[40];
+} ptrs[MAX_PTRS];
 static int nptrs;
 
 #define MAX_EVENTS 64
@@ -64,6 +84,14 @@ static size_t alloc_limit;   /* 0: no limit; else larger requests fail */
 static int ndevices = 2;     /* what cuDeviceGetCount answers (1 or 2) */
 static int ptr_queries;      /* cuPointerGetAttributes calls */
 static int ctx_queries;      /* cuCtxGetCurrent calls */
+static int ipc_opens, ipc_closes, ipc_gets;
+static int ipc_open_fail;    /* CUresult the next opens return (0: none) */
+static unsigned ipc_open_flags;
+static int close_pending;    /* closes while a recorded event was pending */
+static int stream_waits;     /* cuStreamWaitEvent calls */
+static uintptr_t wait_stream, wait_event;
+static int seq, seq_wait, seq_copy, seq_record;
+static int nallocs;          /* allocations made (names) */
 
 /* -- test controls ------------------------------------------------------ */
 void fake_reset(void)
@@ -90,13 +118,42 @@ void fake_reset(void)
     ndevices = 2;
     ptr_queries = 0;
     ctx_queries = 0;
+    ipc_opens = ipc_closes = ipc_gets = 0;
+    ipc_open_fail = 0;
+    ipc_open_flags = 0;
+    close_pending = 0;
+    stream_waits = 0;
+    wait_stream = wait_event = 0;
+    seq = seq_wait = seq_copy = seq_record = 0;
 }
 void fake_register(uintptr_t ptr, int dev, int managed)
 {
     ptrs[nptrs].ptr = ptr;
     ptrs[nptrs].dev = dev;
     ptrs[nptrs].managed = managed;
+    ptrs[nptrs].size = 0;
+    ptrs[nptrs].shm = 0;
+    ptrs[nptrs].name[0] = 0;
     nptrs++;
+}
+int fake_ipc_opens(void) { return ipc_opens; }
+int fake_ipc_closes(void) { return ipc_closes; }
+int fake_ipc_gets(void) { return ipc_gets; }
+unsigned fake_ipc_open_flags(void) { return ipc_open_flags; }
+void fake_ipc_open_fail(int rc) { ipc_open_fail = rc; }
+int fake_close_pending(void) { return close_pending; }
+int fake_stream_waits(void) { return stream_waits; }
+uintptr_t fake_wait_stream(void) { return wait_stream; }
+uintptr_t fake_wait_event(void) { return wait_event; }
+int fake_seq_wait(void) { return seq_wait; }
+int fake_seq_copy(void) { return seq_copy; }
+int fake_seq_record(void) { return seq_record; }
+int fake_events_pending(void)
+{
+    int k, n = 0;
+    for (k = 0; k < nevents; k++)
+        n += events[k].recorded && !events[k].destroyed && events[k].polls_left > 0;
+    return n;
 }
 void fake_set_polls(int n) { polls_per_event = n; }
 int fake_records(void) { return records; }
@@ -269,6 +326,7 @@ CUresult cuEventRecord(CUevent e, CUstream s)
     events[k].stream = (uintptr_t)s;
     last_stream = (uintptr_t)s;
     records++;
+    seq_record = ++seq;
     return CUDA_SUCCESS;
 }
 
@@ -320,11 +378,30 @@ CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end)
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
 {
     void *mem;
+    char name[40];
+    int fd;
+    size_t len = n ? n : 1;
     if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
     if ((alloc_limit && n > alloc_limit) || nptrs >= MAX_PTRS) return CUDA_ERROR_OUT_OF_MEMORY;
-    mem = malloc(n ? n : 1);
-    if (mem == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    /* A shared-memory object, so that an IPC handle can name it. */
+    snprintf(name, sizeof name, "/gpucxfake.%d.%d", (int)getpid(), nallocs++);
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)len) != 0) {
+        close(fd);
+        shm_unlink(name);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    mem = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (mem == MAP_FAILED) {
+        shm_unlink(name);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     fake_register((uintptr_t)mem, (int)((uintptr_t)stack[depth - 1] - 0xC0), 0);
+    ptrs[nptrs - 1].size = len;
+    ptrs[nptrs - 1].shm = 1;
+    memcpy(ptrs[nptrs - 1].name, name, sizeof name);
     allocs_live++;
     *p = (CUdeviceptr)(uintptr_t)mem;
     return CUDA_SUCCESS;
@@ -334,14 +411,107 @@ CUresult cuMemFree_v2(CUdeviceptr p)
 {
     int k;
     for (k = 0; k < nptrs; k++) {
-        if (ptrs[k].ptr == (uintptr_t)p) {
+        if (ptrs[k].ptr == (uintptr_t)p && ptrs[k].shm == 1) {
+            munmap((void *)(uintptr_t)p, ptrs[k].size);
+            shm_unlink(ptrs[k].name);
             ptrs[k] = ptrs[--nptrs];
-            free((void *)(uintptr_t)p);
             allocs_live--;
             return CUDA_SUCCESS;
         }
     }
     return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The allocation holding p: its base and size (cuMemAlloc'd or mapped). */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
+{
+    int k;
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].size && ptrs[k].ptr <= (uintptr_t)p &&
+            (uintptr_t)p < ptrs[k].ptr + ptrs[k].size) {
+            if (base) *base = ptrs[k].ptr;
+            if (size) *size = ptrs[k].size;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* -- CUDA IPC between processes (the handle names the shm object) -------- */
+typedef struct { char reserved[64]; } CUipcMemHandle;
+#define FAKE_IPC_MAGIC "FAKEIPC1"
+
+CUresult cuIpcGetMemHandle(CUipcMemHandle *h, CUdeviceptr p)
+{
+    int k;
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].ptr == (uintptr_t)p && ptrs[k].shm == 1) {
+            uint64_t size = ptrs[k].size;
+            memset(h->reserved, 0, sizeof h->reserved);
+            memcpy(h->reserved, FAKE_IPC_MAGIC, 8);
+            memcpy(h->reserved + 8, &size, 8);
+            memcpy(h->reserved + 16, ptrs[k].name, 40);
+            ipc_gets++;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_VALUE;  /* not the base of an allocation */
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned flags)
+{
+    uint64_t size;
+    char name[41];
+    int fd;
+    void *mem;
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    if (ipc_open_fail) return ipc_open_fail;
+    if (memcmp(h.reserved, FAKE_IPC_MAGIC, 8) != 0) return CUDA_ERROR_INVALID_VALUE;
+    memcpy(&size, h.reserved + 8, 8);
+    memcpy(name, h.reserved + 16, 40);
+    name[40] = 0;
+    if (size == 0 || nptrs >= MAX_PTRS) return CUDA_ERROR_INVALID_VALUE;
+    fd = shm_open(name, O_RDWR, 0);
+    if (fd < 0) return CUDA_ERROR_INVALID_HANDLE;  /* gone, or never was */
+    mem = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (mem == MAP_FAILED) return CUDA_ERROR_MAP_FAILED;
+    fake_register((uintptr_t)mem, (int)((uintptr_t)stack[depth - 1] - 0xC0), 0);
+    ptrs[nptrs - 1].size = size;
+    ptrs[nptrs - 1].shm = 2;
+    ipc_opens++;
+    ipc_open_flags = flags;
+    *p = (CUdeviceptr)(uintptr_t)mem;
+    return CUDA_SUCCESS;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p)
+{
+    int k;
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].ptr == (uintptr_t)p && ptrs[k].shm == 2) {
+            if (fake_events_pending()) close_pending++;
+            munmap((void *)(uintptr_t)p, ptrs[k].size);
+            ptrs[k] = ptrs[--nptrs];
+            ipc_closes++;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags)
+{
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (flags != 0 || event_index(e) < 0) return CUDA_ERROR_INVALID_VALUE;
+    stream_waits++;
+    wait_stream = (uintptr_t)s;
+    wait_event = (uintptr_t)e;
+    seq_wait = ++seq;
+    return CUDA_SUCCESS;
 }
 
 CUresult cuMemAllocHost_v2(void **p, size_t n)
@@ -398,6 +568,7 @@ CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s)
     async_copies++;
     async_bytes += n;
     async_last_stream = (uintptr_t)s;
+    seq_copy = ++seq;
     return CUDA_SUCCESS;
 }
 
@@ -417,6 +588,11 @@ CUresult cuGetErrorName(CUresult r, const char **name)
     case CUDA_ERROR_OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
     case CUDA_ERROR_INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
     case CUDA_ERROR_NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
+    case CUDA_ERROR_MAP_FAILED: *name = "CUDA_ERROR_MAP_FAILED"; break;
+    case CUDA_ERROR_ALREADY_MAPPED: *name = "CUDA_ERROR_ALREADY_MAPPED"; break;
+    case CUDA_ERROR_PEER_ACCESS_UNSUPPORTED:
+        *name = "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED";
+        break;
     default: return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;

@@ -1,0 +1,374 @@
+"""gpucx's own same-host path for put and get on CUDA regions.
+
+UCX 1.20 and 1.21 have no fast protocol for ``put``/``get`` between host
+and GPU memory (software emulation, about 1 GB/s, progressed by the
+target); UCX 1.22's pipeline is a rendezvous the target must progress too.
+When a region's token carries a CUDA IPC handle (:mod:`gpucx.mem.ipc`) and
+its owner is a process of this host, gpucx copies itself:
+
+* the peer maps the owner's allocation once, at the first put or get that
+  can use it (``cuIpcOpenMemHandle``), and keeps it with the
+  :class:`~gpucx.RemoteKey` until the key closes;
+* ``put`` from host memory, ``get`` into host memory and ``get`` into CUDA
+  memory (on the device the handle was opened on) become one
+  ``cuMemcpyAsync`` on a non-blocking stream gpucx owns (one per worker
+  and context), followed by an event; the :class:`~gpucx.Request`
+  completes when the event has fired.  One-sided: the owner need not
+  progress;
+* ``stream=`` (and a CAI v3 / DLPack producer stream of a local CUDA
+  buffer) orders the copy without blocking the host: an event recorded on
+  that stream, waited for by gpucx's stream (``cuStreamWaitEvent``);
+* :meth:`Endpoint.flush` / :meth:`Worker.flush` wait for these copies as
+  for UCX's; ``notify=`` sends its notification once the copy finished.
+
+Everything else (GPU-to-GPU put, keys without a handle, owners on another
+host, a handle the driver cannot open, ``GPUCX_CUDA_IPC_RMA=0``) stays
+with UCX.  docs/rma.md, "gpucx's own path for CUDA regions".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._lib import ffi, lib
+from ..mem import cuda as _cuda
+from ..mem import ipc as _ipc
+from ..mem.memtype import HOST_INT as _HOST
+from ..mem.memtype import MemoryType
+from ..request import INPROGRESS, Request, new_slot, wait_for
+
+__all__ = ["route", "post", "drain", "poll", "CopyRequest", "DESCRIPTION"]
+
+_CUDA = int(MemoryType.CUDA)
+_OK = lib.UCS_OK
+#: How :mod:`gpucx.protocols` names this path.
+DESCRIPTION = "gpucx cuda_ipc copy"
+_ITEMS = ffi.typeof("gpucx_xfer_item_t[]")
+_OP = ffi.typeof("gpucx_notify_op_t *")
+
+
+def route(ep, rkey, mt: int, ptr: Any, is_get: bool) -> Any:
+    """The :class:`~gpucx.mem.ipc.Mapping` to copy through, or None for UCX.
+
+    Opens the key's handle at its first use (a failure to open is kept on
+    the key and this returns None from then on).
+
+    Raises
+    ------
+    ValueError
+        A handle that maps less than its token claims (forged or corrupted
+        token), see :func:`gpucx.mem.ipc.mapping`.
+    """
+    state = rkey._ipc
+    if type(state) is str and state != _ipc.UNOPENED:
+        return None
+    if mt != _HOST and (mt != _CUDA or not is_get):
+        return None  # GPU to GPU puts stay with UCX (CUDA IPC at full speed)
+    if not ep._w._context._cuda_ipc_rma:
+        return None
+    m = _ipc.mapping(rkey)
+    if m is None:
+        return None
+    if not isinstance(ptr, int):
+        ptr = int(ffi.cast("uintptr_t", ptr))
+    if mt != _HOST and _cuda.driver().pointer(ptr)[1] != m.device:
+        return None  # a device the handle was not opened on: UCX
+    return m
+
+
+def would_route(rkey, local_memory: str, op: str) -> bool:
+    """Whether a ``put``/``get`` with this key and local memory type takes
+    gpucx's own path, without opening anything (for gpucx.protocols): the
+    key's handle is open or not tried yet, and the direction is one the
+    path serves."""
+    state = rkey._ipc
+    if type(state) is str and state != _ipc.UNOPENED:
+        return False
+    ctx = rkey.endpoint._w._context
+    if not ctx._cuda_ipc_rma:
+        return False
+    return local_memory == "host" or (local_memory == "cuda" and op == "get")
+
+
+class _Engine:
+    """A worker's copy streams (one non-blocking stream per context)."""
+
+    __slots__ = ("worker", "streams")
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.streams: dict[int, int] = {}
+        worker._on_close.append(self.close)
+
+    def stream(self, drv, ctx: int) -> int:
+        s = self.streams.get(ctx)
+        if s is None:
+            s = self.streams[ctx] = drv.stream_create()
+        return s
+
+    def close(self) -> None:
+        """The worker closes: finish every copy, destroy the streams."""
+        w = self.worker
+        for req in list(w._copies):
+            copy = req._copy
+            if copy is not None:
+                copy.wait()
+        w._copies.clear()
+        drv = _cuda.driver()
+        for ctx, s in self.streams.items():
+            if drv is None:
+                break
+            pushed = False
+            try:
+                if drv.current_context() != ctx:
+                    drv.push(ctx)
+                    pushed = True
+                drv.stream_destroy(s)
+            except _cuda.DriverError:
+                pass  # the context is gone, and its streams with it
+            finally:
+                if pushed:
+                    drv.pop()
+        self.streams.clear()
+
+
+def _engine(worker) -> _Engine:
+    e = worker._ipc_engine
+    if e is None:
+        e = worker._ipc_engine = _Engine(worker)
+    return e
+
+
+def post(
+    ep,
+    m,
+    rkey,
+    ptr: Any,
+    n: int,
+    raddr: int,
+    is_get: bool,
+    stream,
+    keep,
+    what: str,
+    note: bytes | None = None,
+) -> CopyRequest:
+    """Queue the copy of a put or get on gpucx's stream; its request.
+
+    ``note``: a put-with-notify's notification, sent once the copy
+    finished.
+
+    Raises
+    ------
+    gpucx.mem.cuda.DriverError
+        If the driver refuses the copy (the request is not made).
+    TypeError, ValueError
+        For a bad ``stream`` (see :func:`gpucx.mem.cuda.as_stream`).
+    """
+    handle = None if stream is None else _cuda.as_stream(stream)
+    held = keep.stream if type(keep) is _cuda.Deferred else None
+    drv = _cuda.driver()
+    w = ep._w
+    if not isinstance(ptr, int):
+        ptr = int(ffi.cast("uintptr_t", ptr))
+    remote = m.ptr + (raddr - rkey._base)
+    src, dst = (remote, ptr) if is_get else (ptr, remote)
+    pushed = _cuda.enter(0, m.device)
+    try:
+        ctx = m.ctx
+        s = _engine(w).stream(drv, ctx)
+        waits = [] if held is None else [held]
+        if handle is not None and handle != held:
+            waits.append(handle)
+        for h in waits:
+            # Stream order without blocking the host: gpucx's stream waits
+            # for what is queued on the caller's stream now.  (A later
+            # record of the pooled event does not change this wait.)
+            ev = _cuda._events.take(drv, ctx)
+            try:
+                drv.event_record(ev, h)
+                drv.stream_wait_event(s, ev)
+            finally:
+                _cuda._events.give(ctx, ev)
+        drv.memcpy_async(dst, src, n, s)
+        ev = _cuda._events.take(drv, ctx)
+        try:
+            drv.event_record(ev, s)
+        except BaseException:
+            drv.event_destroy(ev)
+            raise
+    finally:
+        _cuda.leave(pushed)
+    copy = _ipc.Copy(new_slot(), ev, ctx, m)
+    then = None
+    if note is not None:
+
+        def then():
+            return _notify(ep, note)
+
+    return CopyRequest(w, copy, (keep, rkey), what, ep, then)
+
+
+def _notify(ep, note: bytes):
+    """Send a put-with-notify's notification (an endpoint flush, then the
+    notify active message, as for UCX's puts): ``(slot, what to hold)``."""
+    op = ffi.new(_OP)
+    items = ffi.new(_ITEMS, 1)
+    h = ep._h
+    if h is None:
+        op.slot.status = lib.UCS_ERR_CANCELED
+    else:
+        lib.gpucx_xfer_run(ep._w._state, h, 0, items, 0, 1, note, len(note), op, 0)
+    # C reads the notification when the flush completes: held until then.
+    return ffi.addressof(op, "slot"), (op, note, items)
+
+
+class CopyRequest(Request):
+    """The :class:`~gpucx.Request` of a put or get gpucx copies itself.
+
+    Done when the event recorded after the copy has fired (with
+    ``notify=``: once the notification was sent too).  It cannot be
+    canceled (the copy engine runs it to the end): :meth:`cancel` returns
+    False, a ``wait`` that times out leaves it running.
+    """
+
+    __slots__ = ("_copy", "_then")
+    _cancelable = False
+
+    def __init__(self, worker, copy, keep, what, ep, then=None):
+        # The fields of Request, for a slot gpucx (not UCX) completes.
+        self._slot = copy.slot
+        self._worker = worker
+        self._keep = keep
+        self._what = what
+        self._finish = None
+        self._ep = ep
+        self._nbytes = None
+        self._state = 0
+        self._value = None
+        self._copy = copy
+        self._then = then
+        worker._pending.add(self)
+        worker._copies.append(self)
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<gpucx.Request {self._what} (cuda_ipc copy) {state}>"
+
+    @property
+    def protocol(self):
+        """gpucx's own path (:data:`DESCRIPTION`) while the copy runs."""
+        if self._state != 0:
+            return None
+        from .. import protocols
+
+        return protocols.own_path(self._what, self._ep)
+
+    def _advance(self) -> bool:
+        """Look at the copy once; True when the slot is final."""
+        copy = self._copy
+        if copy is None:
+            return self._slot.status != INPROGRESS
+        if not copy.poll():
+            return False
+        self._copy = None
+        then, self._then = self._then, None
+        if copy.error is not None:
+            self._value = copy.error
+        elif then is not None and copy.slot.status == _OK:
+            slot, held = then()
+            self._slot = slot
+            self._keep = (*self._keep, held)
+            return slot.status != INPROGRESS
+        return True
+
+    def _complete(self) -> None:
+        error = self._value if type(self._value) is str else None
+        super()._complete()
+        if error is not None and self._state == 2:
+            self._value.args = (f"{self._what}: {error}",)
+
+    def done(self) -> bool:
+        if self._state:
+            return True
+        if not self._advance():
+            w = self._worker
+            if w._h is None:
+                return False
+            w.progress()
+            if not self._advance():
+                return False
+        self._complete()
+        return True
+
+    def wait(self, timeout: float | None = None):
+        """Progress the worker until the copy finished; return None.
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When ``timeout`` seconds pass first (the copy goes on).
+        gpucx.UCXError
+            ``UCS_ERR_IO_ERROR`` naming the driver's error for the copy.
+        """
+        if not self._state:
+            w = self._worker
+            if w._h is None:
+                from .._handle import raise_closed
+
+                raise_closed(w)
+            wait_for(w, self.done, timeout, f"{self._what} (cuda_ipc copy)", poll=True)
+        if self._state == 1:
+            return self._value
+        raise self._value
+
+    def __await__(self):
+        return self._await().__await__()
+
+    async def _await(self):
+        import asyncio
+
+        copy = self._copy
+        if copy is not None and not self._state:
+            # The event fires without any fd to wake the loop: wait for it
+            # in a thread (cuEventSynchronize), not by polling the loop.
+            await asyncio.get_running_loop().run_in_executor(
+                None, _cuda.driver().event_synchronize, copy.event
+            )
+        if not self.done():
+            from ..request import _awaiter
+
+            return await _awaiter(self)
+        return self.wait(0)
+
+
+def poll(worker) -> None:
+    """Look at the worker's copies once (``Worker.progress`` calls this
+    while some are in flight): a finished copy's slot turns final, a
+    put-with-notify sends its notification."""
+    copies = worker._copies
+    for req in list(copies):
+        if req._state or req._advance() or req._copy is None:
+            copies.remove(req)
+
+
+def drain(worker, ep=None, timeout: float | None = None) -> None:
+    """Wait, progressing ``worker``, until the copies issued through ``ep``
+    (every endpoint of the worker when None) finished: the part of a flush
+    that is gpucx's own.
+
+    Raises
+    ------
+    gpucx.TimeoutError
+        When ``timeout`` passes first.
+    """
+    mine = [r for r in worker._copies if ep is None or r._ep is ep]
+    if not mine:
+        return
+
+    def finished() -> bool:
+        nonlocal mine
+        mine = [r for r in mine if not r._advance()]
+        return not mine
+
+    what = "flush (cuda_ipc copies)"
+    wait_for(worker, finished, timeout, what, poll=True)
