@@ -100,3 +100,22 @@ def cuda_am_posted(cfg, ch, sizes, device):
         n = w.am_recv(40, kept, timeout=60)
         ch.put(("kept", n, int((kept != pattern(cupy, 100, 9)).sum())))
         ch.get()
+
+
+def cuda_ipc_owner(cfg, ch, nbytes, device):
+    """Allocate and fill a CUDA region, publish its token, then wait on the
+    channel without progressing the worker (gpucx's own CUDA IPC path is
+    one-sided); on "read" report the region's bytes, then say goodbye."""
+    import cupy
+
+    with cupy.cuda.Device(device), gpucx.Context(config=cfg) as ctx:
+        w = ctx.create_worker()
+        region = ctx.allocate(nbytes, gpucx.MemoryType.CUDA, device=device)
+        view = region.as_array()
+        view[:] = pattern(cupy, nbytes, 3)
+        cupy.cuda.runtime.deviceSynchronize()
+        ch.put((w.address, region.remote().to_bytes()))
+        assert ch.get() == "read"  # no progress meanwhile
+        ch.put(cupy.asnumpy(view).tobytes())
+        assert ch.get() == "bye"
+        region.close()

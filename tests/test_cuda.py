@@ -24,6 +24,7 @@ from peers_cuda import (
     array_echo,
     cuda_am_posted,
     cuda_echo,
+    cuda_ipc_owner,
     cuda_region_owner,
     pattern,
 )
@@ -228,6 +229,46 @@ def test_put_get_peer_cuda_region(cupy, cuda_cfg):
     want = cupy.asnumpy(pattern(cupy, nbytes, 3))
     want[nbytes // 4 : nbytes // 4 + nbytes // 2] = cupy.asnumpy(src)
     want[:16] = 0xAB
+    same_bytes(np.frombuffer(owner_bytes, np.uint8), want)
+
+
+def test_own_path_put_get_between_processes(cupy, cuda_cfg):
+    """gpucx's own CUDA IPC path (gpucx.ops.ipc): put/get between host
+    memory and a peer's CUDA region, and get into CuPy memory, are
+    copy-engine copies that complete while the owner does not progress."""
+    nbytes = 4 * 2**20
+    dev = _last_device(cupy)
+    ours, theirs = channel_pair()
+    child = spawn(cuda_ipc_owner, cuda_cfg, theirs, nbytes, dev)
+    try:
+        with cupy.cuda.Device(dev), gpucx.Context(config=cuda_cfg) as ctx:
+            w = ctx.create_worker()
+            address, blob = ours.get()
+            remote = gpucx.RemoteMemory.from_bytes(blob)
+            assert remote.ipc is not None  # CuPy memory exports a handle
+            ep = w.connect(address)
+            key = ep.unpack(remote, device=dev)
+            got = cupy.zeros(nbytes, cupy.uint8)
+            ep.get(got, key, timeout=30)
+            same_bytes(got, pattern(cupy, nbytes, 3))
+            assert key.cuda_ipc == "open"
+            host = np.zeros(nbytes, np.uint8)
+            ep.get_nb(host, key).wait(30)
+            same_bytes(host, pattern(cupy, nbytes, 3))
+            src = cupy.asnumpy(pattern(cupy, nbytes // 2, 9))
+            s = cupy.cuda.Stream(non_blocking=True)
+            ep.put(src, key, offset=nbytes // 4, stream=s, timeout=30)
+            ep.flush(timeout=30)
+            row = ep.protocol("put", nbytes, ("host", "cuda"), rkey=key)
+            assert row.description == "gpucx cuda_ipc copy"
+            ours.put("read")
+            owner_bytes = ours.get()
+            key.close()
+            ours.put("bye")
+    finally:
+        join_ok(child)
+    want = cupy.asnumpy(pattern(cupy, nbytes, 3))
+    want[nbytes // 4 : nbytes // 4 + nbytes // 2] = src
     same_bytes(np.frombuffer(owner_bytes, np.uint8), want)
 
 

@@ -411,3 +411,53 @@ def test_unused_for_gpu_to_gpu_put(drv, lib_path):
             is None
         )
         assert key.cuda_ipc == "unopened"
+
+
+def test_wait_timeout_leaves_the_copy_running(drv, lib_path):
+    with session(lib_path) as (q, w, ep, key):
+        drv._lib.fake_set_polls(1 << 30)  # an event that does not fire by polling
+        req = ep.put_nb(pattern(16), key)
+        with pytest.raises(gpucx.TimeoutError, match="cuda_ipc copy"):
+            req.wait(0.05)
+        assert req.cancel() is False and not req.done()
+        key.close()  # waits for it (cuEventSynchronize), then closes the handle
+        assert req.done() and drv._lib.fake_close_pending() == 0
+
+
+def test_worker_close_finishes_copies_and_streams(drv, lib_path):
+    q, theirs = channel_pair()
+    child = spawn(owner, lib_path, theirs, N)
+    try:
+        ctx = gpucx.Context(config={"TLS": "sm,self"})
+        w = ctx.create_worker()
+        _, address, blob = q.get(60)
+        ep = w.connect(address)
+        key = ep.unpack(blob)
+        drv._lib.fake_set_polls(1 << 30)
+        req = ep.put_nb(pattern(17), key)
+        ctx.close()
+        lib = drv._lib
+        assert req.done() and req.result() is None
+        assert lib.fake_ipc_closes() == 1 and lib.fake_close_pending() == 0
+        assert lib.fake_streams_live() == 0
+        q.put(("read", 0, N))
+        assert q.get(30) == ("data", bytes(pattern(17)))
+        q.put(("bye",))
+    finally:
+        join_ok(child, 60)
+
+
+def test_await_a_copy(drv, lib_path):
+    import asyncio
+
+    with session(lib_path) as (q, w, ep, key):
+        drv._lib.fake_set_polls(50)
+
+        async def main():
+            await ep.put_nb(pattern(18), key)
+            await ep.put_nb(pattern(19)[:64], key, notify=b"n")
+
+        q.put(("notes", 1))
+        asyncio.run(asyncio.wait_for(main(), 30))
+        assert q.get(60)[1][0][0] == b"n"
+        assert read(q, 64, N - 64) == bytes(pattern(18))[64:]
