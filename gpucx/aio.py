@@ -125,6 +125,13 @@ class _Driver:
             pass
         from .errors import ClosedError
 
+        if self._loop.is_closed():
+            # Nobody can await these any more, and resolving a future of a
+            # closed loop raises (its callbacks cannot be scheduled).
+            self._waiters.clear()
+            self._accepts.clear()
+            self._closers.clear()
+            return
         for fut in list(self._waiters.values()):
             if not fut.done():
                 fut.set_exception(ClosedError("worker closed while awaiting"))
@@ -294,7 +301,8 @@ class _Driver:
         finally:
             entry[1] -= 1
             if not entry[1] and not fut.done():
-                fut.cancel()  # the last awaiting task gave up
+                if not self._loop.is_closed():  # else: collected with its loop
+                    fut.cancel()  # the last awaiting task gave up
                 if self._closers.get(ep) is entry:
                     del self._closers[ep]
 
