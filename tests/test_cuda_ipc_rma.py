@@ -330,6 +330,7 @@ def test_handle_that_cannot_open_falls_back_to_ucx(drv, lib_path):
     with session(lib_path) as (q, w, ep, key):
         drv._lib.fake_ipc_open_fail(205)  # CUDA_ERROR_MAP_FAILED
         ep.put(pattern(11), key, timeout=30)
+        ep.flush(timeout=30)  # UCX: remote completion needs a flush
         out = np.zeros(N, np.uint8)
         ep.get(out, key, timeout=30)
         assert bytes(out) == bytes(pattern(11)) == read(q)
@@ -354,6 +355,7 @@ def _garbage_handle(remote):
 def test_forged_handle_the_driver_rejects_falls_back(drv, lib_path):
     with session(lib_path, token=_garbage_handle) as (q, w, ep, key):
         ep.put(pattern(13), key, timeout=30)
+        ep.flush(timeout=30)
         assert read(q) == bytes(pattern(13))
         assert "cannot open" in key.cuda_ipc
 
@@ -379,6 +381,7 @@ def test_forged_handle_mapping_less_is_a_clear_error(drv, lib_path):
         assert lib.fake_async_copies() == 0
         # The key does not try again: UCX serves it.
         ep.put(pattern(14), key, timeout=30)
+        ep.flush(timeout=30)
         assert read(q) == bytes(pattern(14))
 
 
@@ -392,6 +395,7 @@ def test_switch_turns_the_path_off(drv, lib_path, monkeypatch, how):
         monkeypatch.setenv("GPUCX_CUDA_IPC_RMA", "0")
     with session(lib_path, config=config) as (q, w, ep, key):
         ep.put(pattern(15), key, timeout=30)
+        ep.flush(timeout=30)
         assert read(q) == bytes(pattern(15))
         assert counts(drv) == {"opens": 0, "closes": 0, "copies": 0}
         assert key.cuda_ipc == "unopened"
