@@ -332,7 +332,11 @@ async def test_listener_stop_during_the_dask_handshake():
     info = await asyncio.wait_for(comm.read(), 5)  # the listener's handshake
     assert "compression" in info
     started.set()
+    # What Server._stop_listeners does: stop() leaves comms alone (they may
+    # be established), abort_handshaking_comms() drops those in Dask's
+    # handshake.
     lst.stop()
+    lst.abort_handshaking_comms()
     t0 = time.monotonic()
     with pytest.raises(CommClosedError):
         await asyncio.wait_for(comm.read(), 5)

@@ -10,12 +10,14 @@ counted by the comms and listeners that use it and closed with the last.
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib
 import logging
 import os
 import select
+import socket
 import struct
-import weakref
+import warnings
 from typing import Any, NamedTuple
 
 import dask.config
@@ -40,6 +42,12 @@ TAG_PREFIX = 0xD5 << 56
 #: one endpoint.
 CH_DATA = 0
 CH_WELCOME = 1
+#: Mask of the top byte: every comm message (``new_tag``).
+TAG_PREFIX_MASK = 0xFF << 56
+#: Unexpected comm messages taken before a worker closes: at most this many,
+#: into a buffer this big (a longer one is truncated, and gone all the same).
+_DRAIN_MAX = 4096
+_DRAIN_BUF = 64 * 1024
 #: Frames whose table fits in the control buffer (more: a TABLE message).
 CTRL_TABLE_MAX = 4096
 #: Early HELLOs kept for endpoints whose handshake task has not asked yet.
@@ -139,6 +147,16 @@ def settings() -> Settings:
         raise ValueError(
             f"distributed-gpucx.progress must be event or poll, not {cfg['progress']!r}"
         )
+    if cfg["progress"] == "poll":
+        # Poll mode progressed on every loop iteration while anything was
+        # pending, and a comm always has its next read posted: a busy core
+        # per idle process.  The adaptive spin gives the latency instead.
+        warnings.warn(
+            "distributed-gpucx.progress: poll was removed (it kept a core busy "
+            "while idle); event progress is used (see distributed-gpucx.spin)",
+            FutureWarning,
+            stacklevel=2,
+        )
     limits = Limits(
         int(cfg["max-frames"]),
         parse_bytes(cfg["max-frame-size"]),
@@ -151,7 +169,7 @@ def settings() -> Settings:
         ct,
         cl,
         inline,
-        cfg["progress"],
+        "event",
         cfg["device-allocator"],
         limits,
         ctrl_cap,
@@ -178,12 +196,47 @@ def context_config() -> dict[str, Any]:
     for name in list(out):
         if f"UCX_{name}" in os.environ:
             del out[name]  # the environment wins (as documented)
+    if not {"UCX_TCP_CM_REUSEADDR", "UCX_CM_REUSEADDR"} & set(os.environ):
+        # Listen again at once on a port whose previous listener's
+        # connections are in TIME_WAIT (a restarted scheduler), as tcp://
+        # does with SO_REUSEADDR.
+        out.setdefault("CM_REUSEADDR", "y")
     out["GPUCX_PEER_CHECK_INTERVAL"] = float(cfg["peer-check-interval"])
     return out
 
 
+def ipv6_mode() -> bool:
+    """Whether UCX's TCP transport is set to IPv6 first (``TCP_AF_PRIO``
+    from the environment or ``distributed-gpucx.environment``): then comms
+    take IPv6 addresses only, else IPv4 only (see ``comm._check_family``)."""
+    prio: Any = os.environ.get("UCX_TCP_AF_PRIO")
+    if prio is None:
+        prio = context_config().get("TCP_AF_PRIO")
+    if isinstance(prio, (list, tuple)):
+        prio = ",".join(map(str, prio))
+    return bool(prio) and str(prio).split(",")[0].strip().lower() == "inet6"
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` is taken by a listener (bound with the address
+    reuse UCX's connection manager is given: a port in TIME_WAIT is free).
+    Asked before UCX tries, so a busy port costs no UCX error line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 _contexts: dict = {}  # (pid, config) -> gpucx.Context
-_workers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: loop -> its LoopWorker.  Not a WeakKeyDictionary: the worker's driver
+#: holds the loop, so a weak key would never drop.  An entry goes when its
+#: last user releases it, when the loop shuts down (``_loop_end``), or, for
+#: a loop closed without shutting down, on the next ``acquire``.
+_workers: dict = {}
 
 
 def context() -> gpucx.Context:
@@ -212,6 +265,7 @@ class LoopWorker:
         self.stranded_warned = False
         self._early: dict = {}  # Endpoint -> HELLO bytes
         self._waiting: dict = {}  # Endpoint -> Future
+        self.end: Any = None  # the _loop_end generator
         self.w.set_am_handler(HELLO_AM_ID, self._on_hello)
 
     def _on_hello(self, msg) -> None:
@@ -266,8 +320,37 @@ class LoopWorker:
             if not fut.done():
                 fut.cancel()
         self._waiting.clear()
+        end, self.end = self.end, None
+        if end is not None:
+            # Finish the loop-end generator (its finally has nothing left to
+            # do), so nothing is left for the loop to finalize.  It awaits
+            # nothing: one step ends it.
+            try:
+                end.aclose().send(None)
+            except (StopIteration, RuntimeError):
+                pass
         if self.w._h is not None:
+            self._drain()
             self.aw.close(timeout=1.0)
+
+    def _drain(self) -> None:
+        """Take the comm messages left in UCX's unexpected queue (a peer's
+        CLOSE that came after its comm was torn down here): UCX would warn
+        about each when the worker is destroyed."""
+        w = self.w
+        buf = bytearray(_DRAIN_BUF)
+        for _ in range(3):
+            w.progress()
+        for _ in range(_DRAIN_MAX):
+            try:
+                req = w.recv_nb(buf, TAG_PREFIX, TAG_PREFIX_MASK)
+            except Exception:  # the worker is going away already
+                return
+            if not req.done():
+                req.cancel()
+                w.progress()
+                return
+            req.exception()  # truncated or not, it is gone from the queue
 
 
 _cache: list = []  # [(pid, cap, min, ttl), ReceiveCache]
@@ -286,13 +369,50 @@ def receive_cache(s: Settings) -> ReceiveCache:
     return cache
 
 
+async def _loop_end(lw: LoopWorker):
+    """An async generator parked for the life of ``lw``'s loop: the loop's
+    ``shutdown_asyncgens()`` (``asyncio.run`` and Dask's loop runners call it
+    before closing the loop) closes it, and with it the worker that comms
+    and listeners left open (their endpoints first)."""
+    try:
+        yield
+    finally:
+        if lw.end is not None:  # not closed by lw.close() itself
+            lw.end = None
+            _drop(lw)
+
+
+def _drop(lw: LoopWorker) -> None:
+    if _workers.get(lw.loop) is lw:
+        del _workers[lw.loop]
+    lw.close()
+    if not _workers and _cache:
+        _cache[1].clear()  # no comm left: give the memory back
+
+
+def _sweep_closed_loops() -> None:
+    """Close the workers of loops that were closed without shutting down."""
+    for loop, lw in list(_workers.items()):
+        if loop.is_closed():
+            _drop(lw)
+
+
 def acquire(s: Settings) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
     lw = _workers.get(loop)
     if lw is None or lw.w._h is None:
+        _sweep_closed_loops()
         lw = LoopWorker(loop, s.progress, s.spin_us)
         _workers[loop] = lw
+        # Start the generator here, in the loop's thread, so the loop's
+        # first-iteration hook registers it for shutdown_asyncgens().
+        gen = _loop_end(lw)
+        try:
+            gen.asend(None).send(None)
+        except StopIteration:
+            pass
+        lw.end = gen
     lw.refs += 1
     return lw
 
@@ -301,11 +421,7 @@ def release(lw: LoopWorker) -> None:
     """One user fewer; the last closes the worker."""
     lw.refs -= 1
     if lw.refs <= 0:
-        if _workers.get(lw.loop) is lw:
-            del _workers[lw.loop]
-        lw.close()
-        if not _workers and _cache:
-            _cache[1].clear()  # no comm left: give the memory back
+        _drop(lw)
 
 
 def identity() -> tuple[int, int, bytes, int]:

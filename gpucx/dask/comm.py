@@ -15,7 +15,9 @@ not fail by themselves).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import weakref
 
 import numpy as np
 from distributed.comm.addressing import parse_host_port, unparse_host_port
@@ -28,7 +30,7 @@ from distributed.comm.core import (
 )
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
-from distributed.utils import ensure_ip, get_ip, get_ipv6
+from distributed.utils import ensure_ip, get_ip
 
 import gpucx
 from gpucx.mem import as_buffer
@@ -60,6 +62,50 @@ def _refuse_encryption(connection_args: dict) -> None:
             "configuration or distributed.comm.require-encryption; use tls:// "
             "or turn encryption off"
         )
+
+
+#: What a failed read or write turns into ``CommClosedError``: the
+#: connection's failures (gpucx's errors, a peer that broke the wire format,
+#: socket errors).  Anything else (KeyboardInterrupt, SystemExit, a bug,
+#: a missing device allocator) aborts the comm and propagates as it is, as
+#: with ``tcp://``: Dask retries a lost connection, not a Ctrl-C.
+_CONNECTION_LOST = (gpucx.UCXError, fr.FramingError, OSError)
+
+
+def _check_family(host: str, what: str) -> None:
+    """Refuse an address of the family UCX's TCP transport is not set for,
+    before UCX sees it (nothing is sent or bound).
+
+    UCX 1.22's TCP transport serves the first family of its ``TCP_AF_PRIO``
+    (``inet,inet6`` by default): an IPv6 connection then corrupts the heap
+    (``uct_tcp_ep_set_dest_addr``, reached when a connection is accepted)
+    and the process aborts; with ``inet6`` first, IPv6 works and IPv4
+    connections hang.  So one process speaks one family.
+    """
+    v6 = ":" in host
+    if v6 == rt.ipv6_mode():
+        return
+    if v6:
+        raise FatalCommClosedError(
+            f"gpucx:// {what} [{host}]: an IPv6 address needs UCX's TCP "
+            "transport set to IPv6 (distributed-gpucx.environment: "
+            "{tcp-af-prio: inet6}, or UCX_TCP_AF_PRIO=inet6), which then serves "
+            "IPv6 only; with its default UCX crashes on IPv6 connections"
+        )
+    raise FatalCommClosedError(
+        f"gpucx:// {what} {host}: UCX's TCP transport is set to IPv6 "
+        "(tcp-af-prio inet6), which serves no IPv4 address; use an IPv6 address"
+    )
+
+
+def _lost(comm, exc: BaseException, what: str) -> BaseException:
+    """The exception a failed ``read``/``write`` raises (the comm is aborted
+    already): ``CommClosedError`` for a lost connection, else ``exc``."""
+    if isinstance(exc, (asyncio.CancelledError, CommClosedError)):
+        return exc
+    if isinstance(exc, _CONNECTION_LOST):
+        return CommClosedError(f"{comm}: {what} failed: {exc!r}")
+    return exc
 
 
 def _kind(frame) -> tuple[int, int]:
@@ -125,24 +171,40 @@ class GpucxComm(Comm):
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
-        self._watch = asyncio.ensure_future(self._watch_peer())
+        # The watch task and the pidfd reader hold the comm weakly: a comm
+        # dropped without close() is collected, and closed (``__del__``).
+        ref = weakref.ref(self)
+        self._watch = asyncio.ensure_future(_watch_endpoint(ref, ep))
         if self._peer is not None and self._peer.fd >= 0:
-            lw.loop.add_reader(self._peer.fd, self._on_peer_exit)
+            lw.loop.add_reader(self._peer.fd, _on_peer_exit, ref)
+
+    def __del__(self) -> None:
+        # As tcp:// does with a dangling stream: warn, and close it.
+        if getattr(self, "_closed", True):
+            return
+        lw = self._lw
+        try:
+            logger.warning("Closing dangling comm %r", self)
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is lw.loop:
+                self.abort()
+            elif not lw.loop.is_closed():
+                # Collected in another thread: abort on the comm's own loop.
+                lw.loop.call_soon_threadsafe(self.abort)
+        except Exception:  # interpreter exit, or the loop closed meanwhile:
+            pass  # the loop's worker closes the endpoints with itself
 
     # -- failure detection ----------------------------------------------------
 
-    async def _watch_peer(self) -> None:
-        ep = self._ep
-        if ep is None:
-            return
-        try:
-            err = await ep.wait_closed()
-        except asyncio.CancelledError:
-            return
+    def _endpoint_closed(self, err) -> None:
+        """The connection endpoint failed (``err``) or was closed (None)."""
         if err is None or self._closed or self._broken is not None:
             return
         dep, peer = self._dep, self._peer
-        if dep is not ep and peer is not None and peer.alive():
+        if dep is not self._ep and peer is not None and peer.alive():
             # The connection broke while the process lives: it closed its
             # end, or it is dying (the kernel resets a dying process's
             # sockets before it leaves the process table).  The comm fails
@@ -175,7 +237,7 @@ class GpucxComm(Comm):
             _liveness.peer_died(self._w, dep.endpoint, reason)
         self._lw.aw._drv.kick()
 
-    def _on_peer_exit(self) -> None:
+    def _peer_exited(self) -> None:
         """The peer process's pidfd became readable: it exited."""
         peer = self._peer
         if peer is None or peer.fd < 0:
@@ -305,9 +367,10 @@ class GpucxComm(Comm):
                     self._recvs.difference_update(reqs)
         except BaseException as exc:
             self.abort()
-            if isinstance(exc, (asyncio.CancelledError, CommClosedError)):
+            err = _lost(self, exc, "read")
+            if err is exc:
                 raise
-            raise CommClosedError(f"{self}: read failed: {exc!r}") from exc
+            raise err from exc
         try:
             return await from_frames(
                 frames,
@@ -339,9 +402,10 @@ class GpucxComm(Comm):
             return await self._send_frames(frames)
         except BaseException as exc:
             self.abort()
-            if isinstance(exc, (asyncio.CancelledError, CommClosedError)):
+            err = _lost(self, exc, "write")
+            if err is exc:
                 raise
-            raise CommClosedError(f"{self}: write failed: {exc!r}") from exc
+            raise err from exc
 
     async def _send_frames(self, frames) -> int:
         if self._closed or self._broken is not None:
@@ -511,6 +575,24 @@ class GpucxComm(Comm):
         return {}
 
 
+async def _watch_endpoint(ref, ep) -> None:
+    """Tell the comm behind weak reference ``ref`` when its connection
+    endpoint ``ep`` fails."""
+    try:
+        err = await ep.wait_closed()
+    except asyncio.CancelledError:
+        return
+    comm = ref()
+    if comm is not None and comm._ep is ep:
+        comm._endpoint_closed(err)
+
+
+def _on_peer_exit(ref) -> None:
+    comm = ref()
+    if comm is not None:
+        comm._peer_exited()
+
+
 async def _settle_data_endpoint(
     lw: rt.LoopWorker, dep, peer: rt.PeerProcess, reason: str
 ):
@@ -572,6 +654,7 @@ class GpucxConnector(Connector):
         s = rt.settings()
         host, port = parse_host_port(address)
         ip = ensure_ip(host)
+        _check_family(ip, "cannot connect to")
         lw = rt.acquire(s)
         ep = None
         ok = False
@@ -659,7 +742,11 @@ class GpucxListener(BaseListener):
     ):
         super().__init__()
         _refuse_encryption(connection_args)
-        self.ip, self.port = parse_host_port(address, default_port=0)
+        ip, self.port = parse_host_port(address, default_port=0)
+        # An empty host listens on every interface and says so (0.0.0.0),
+        # as tcp:// does.
+        self.ip = ip or ("::" if rt.ipv6_mode() else "0.0.0.0")
+        _check_family(self.ip, "cannot listen on")
         self.comm_handler = comm_handler
         self.deserialize = deserialize
         self.allow_offload = allow_offload
@@ -669,6 +756,7 @@ class GpucxListener(BaseListener):
         self._accept_task: asyncio.Task | None = None
         self._handshakes: set[asyncio.Task] = set()
         self._stopped = False
+        self._bound_port = self.port
 
     async def start(self) -> None:
         """Listen and start accepting."""
@@ -676,10 +764,11 @@ class GpucxListener(BaseListener):
         self._settings = s
         lw = rt.acquire(s)
         try:
-            self._lst = lw.aw.listen(self.port, self.ip or "0.0.0.0")
+            self._lst = _listen(lw, self.ip, self.port)
         except BaseException:
             rt.release(lw)
             raise
+        self._bound_port = self._lst.port  # reported after stop() too
         self._lw = lw
         self._accept_task = asyncio.ensure_future(self._accept_loop())
 
@@ -693,6 +782,9 @@ class GpucxListener(BaseListener):
             except Exception as exc:
                 if not self._stopped:
                     logger.debug("gpucx accept failed: %r", exc)
+                return
+            if self._stopped:  # accepted as stop() ran: not served
+                ep.close(force=True)
                 return
             task = asyncio.ensure_future(self._serve(ep))
             self._handshakes.add(task)
@@ -759,24 +851,28 @@ class GpucxListener(BaseListener):
         finally:
             rt.release(lw)
         comm.allow_offload = self.allow_offload
+        # From here on the comm is Dask's: stop() leaves it alone (as
+        # tcp:// does; Server aborts the comms still in Dask's handshake
+        # with abort_handshaking_comms()).
+        self._handshakes.discard(asyncio.current_task())  # type: ignore[arg-type]
         try:
             if self._stopped:
+                # Stopped before the comm was ours to hand out (as tcp://
+                # closes a stream accepted after stop()).
                 raise CommClosedError("listener stopped")
             await self.on_connection(comm)
         except CommClosedError:
             logger.debug("connection closed during the Dask handshake")
             comm.abort()
             return
-        except asyncio.CancelledError:
+        except BaseException:
             comm.abort()
-            return
-        if self._stopped:
-            comm.abort()
-            return
+            raise
         await self.comm_handler(comm)
 
     def stop(self) -> None:
-        """Stop accepting; abort comms still in their handshake."""
+        """Stop accepting; drop connections still in the gpucx handshake.
+        Established comms (and those in Dask's handshake) stay open."""
         if self._stopped:
             return
         self._stopped = True
@@ -784,7 +880,6 @@ class GpucxListener(BaseListener):
             self._accept_task.cancel()
         for task in list(self._handshakes):
             task.cancel()
-        self.abort_handshaking_comms()
         lst, self._lst = self._lst, None
         if lst is not None:
             lst.close()
@@ -800,7 +895,7 @@ class GpucxListener(BaseListener):
 
     @property
     def _port(self):
-        return self._lst.port if self._lst is not None else self.port
+        return self._lst.port if self._lst is not None else self._bound_port
 
     @property
     def listen_address(self) -> str:
@@ -812,6 +907,24 @@ class GpucxListener(BaseListener):
         """An address peers can connect to."""
         host = ensure_concrete_host(self.ip, default_host=self.default_host)
         return self.prefix + unparse_host_port(host, self._port)
+
+
+def _listen(lw: rt.LoopWorker, host: str, port: int):
+    """``lw.aw.listen(port, host)``; a port in use raises ``OSError`` with
+    ``EADDRINUSE`` (port ranges skip it), without UCX's own log line about
+    the failed ``bind``."""
+    if port and rt.port_in_use(host, port):
+        raise OSError(
+            errno.EADDRINUSE, f"gpucx:// cannot listen on {host}:{port}: in use"
+        )
+    try:
+        return lw.aw.listen(port, host)
+    except gpucx.UCXError as exc:
+        if exc.status_name == "UCS_ERR_BUSY":
+            raise OSError(
+                errno.EADDRINUSE, f"gpucx:// cannot listen on {host}:{port}: {exc}"
+            ) from exc
+        raise
 
 
 class GpucxBackend(Backend):
@@ -836,5 +949,5 @@ class GpucxBackend(Backend):
     def get_local_address_for(self, loc):
         host, port = parse_host_port(loc)
         host = ensure_ip(host)
-        local = get_ipv6(host) if ":" in host else get_ip(host)
-        return unparse_host_port(local, None)
+        _check_family(host, "cannot reach")
+        return unparse_host_port(get_ip(host), None)
