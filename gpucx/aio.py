@@ -441,7 +441,10 @@ set_awaiter(wait_request)
 
 
 async def _flush(driver: _Driver, worker, post, handle, ep=None) -> None:
-    """Post an endpoint or worker flush and await its completion."""
+    """Post an endpoint or worker flush and await its completion (after
+    gpucx's own copies issued through it, gpucx.ops.ipc, finished)."""
+    for req in [r for r in worker._copies if ep is None or r._ep is ep]:
+        await req
     slot = new_slot()
     post(handle, slot)
     what = "endpoint flush" if ep is not None else "worker flush"

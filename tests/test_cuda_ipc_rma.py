@@ -465,3 +465,32 @@ def test_await_a_copy(drv, lib_path):
         asyncio.run(asyncio.wait_for(main(), 30))
         assert q.get(60)[1][0][0] == b"n"
         assert read(q, 64, N - 64) == bytes(pattern(18))[64:]
+
+
+def test_aio_flush_waits_for_copies(drv, lib_path):
+    import asyncio
+
+    import gpucx.aio
+
+    q, theirs = channel_pair()
+    child = spawn(owner, lib_path, theirs, N)
+    try:
+        with gpucx.Context(config={"TLS": "sm,self"}) as ctx:
+            _, address, blob = q.get(60)
+            drv._lib.fake_set_polls(1 << 30)  # fires only when synchronized
+
+            async def main():
+                async with gpucx.aio.Worker(ctx) as aw:
+                    aep = aw.connect(address)
+                    key = aep.unpack(blob)
+                    req = aep.put_nb(pattern(20), key)
+                    await aep.aflush()
+                    assert req.done()
+                    key.close()
+
+            asyncio.run(asyncio.wait_for(main(), 30))
+            assert read(q) == bytes(pattern(20))
+            assert drv._lib.fake_ipc_opens() == 1
+            q.put(("bye",))
+    finally:
+        join_ok(child, 60)

@@ -94,8 +94,10 @@ static int seq, seq_wait, seq_copy, seq_record;
 static int nallocs;          /* allocations made (names) */
 
 /* -- test controls ------------------------------------------------------ */
+static void unlink_live(void);
 void fake_reset(void)
 {
+    unlink_live();
     depth = 0;
     nptrs = 0;
     nevents = 0;
@@ -126,6 +128,20 @@ void fake_reset(void)
     wait_stream = wait_event = 0;
     seq = seq_wait = seq_copy = seq_record = 0;
 }
+/* Shared-memory names of allocations still live: unlinked by a reset and
+ * when the library is unloaded or the process exits (mappings stay). */
+static void unlink_live(void)
+{
+    int k;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].shm == 1) {
+            shm_unlink(ptrs[k].name);
+            ptrs[k].shm = 3;  /* still mapped; no longer named */
+        }
+    }
+}
+__attribute__((destructor)) static void unlink_at_exit(void) { unlink_live(); }
+
 void fake_register(uintptr_t ptr, int dev, int managed)
 {
     ptrs[nptrs].ptr = ptr;
@@ -384,7 +400,9 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n)
     if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
     if ((alloc_limit && n > alloc_limit) || nptrs >= MAX_PTRS) return CUDA_ERROR_OUT_OF_MEMORY;
     /* A shared-memory object, so that an IPC handle can name it. */
-    snprintf(name, sizeof name, "/gpucxfake.%d.%d", (int)getpid(), nallocs++);
+    /* pid, this library instance (tests load several copies) and count. */
+    snprintf(name, sizeof name, "/gpucxfake.%d.%lx.%d", (int)getpid(),
+             (unsigned long)(uintptr_t)&nallocs & 0xffffffffUL, nallocs++);
     fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) return CUDA_ERROR_OUT_OF_MEMORY;
     if (ftruncate(fd, (off_t)len) != 0) {
