@@ -2,6 +2,8 @@
 
     python benchmarks/bench_dask.py [--iters N] [--sizes 8,1K,...] [--tls TLS]
                                     [--schemes tcp,gpucx] [--no-cluster]
+    python benchmarks/bench_dask.py --workloads [--rounds R] [--rechunk-n N]
+                                    [--pulls P] [--pull-size 64M] [--json PATH]
 
 1. Comm level: ``distributed.comm.listen`` in a spawned echo process,
    ``distributed.comm.connect`` here; one message ``{"x": to_serialize(a)}``
@@ -11,7 +13,26 @@
    an array made on worker A is consumed on worker B (``np.sum``), median of
    a few repeats, for each size of ``--cluster-sizes``.
 
-3. ``--kill N``: instead, how long after a listening peer process is
+3. ``--workloads``: instead, user-level workloads on one two-worker
+   ``LocalCluster(processes=True)`` per scheme, both clusters up at once and
+   used in turn (round r runs the schemes in rotated order, so both see the
+   same minutes of a machine whose speed drifts):
+
+   * ``rechunk``: a P2P rechunk (``array.rechunk.method: p2p``) of an
+     ``N x N`` float64 array from column blocks to row blocks, so every
+     output chunk takes a piece of every input chunk (half of the bytes
+     cross between the two workers); the input is persisted first, the
+     time is the rechunked array's ``persist`` until it is in memory.
+   * ``pull``: an array of ``--pull-size`` bytes made on worker A, then a
+     task on worker B (``workers=[B], allow_other_workers=False``) that
+     takes it: client -> scheduler -> B fetches from A -> result.  Also
+     Dask's own view of the fetch (B's ``transfer_incoming_log``
+     duration).
+
+   Prints the per-round values and the medians, and writes them as JSON
+   (``--json``).
+
+4. ``--kill N``: instead, how long after a listening peer process is
    SIGKILLed a pending ``read`` raises ``CommClosedError`` (median and range
    of N trials per scheme; gpucx over its default transports and over TCP).
 
@@ -24,8 +45,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import multiprocessing as mp
+import os
+import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -51,15 +76,19 @@ def _echo_server(scheme, tls, conn):
         done = asyncio.Event()
 
         async def handle(comm):
+            from distributed.comm.core import CommClosedError
+
             try:
                 while True:
                     msg = await comm.read()
                     if msg == "stop":
+                        done.set()
                         break
                     await comm.write(msg, serializers=SERIALIZERS)
+            except CommClosedError:
+                pass  # a comm of the connect measurement, closed by the client
             finally:
                 await comm.close()
-                done.set()
 
         # deserialize=False: the echo sends the frames back as they came.
         async with listen(f"{scheme}://127.0.0.1:0", handle, deserialize=False) as lst:
@@ -123,8 +152,11 @@ def kill_detection(scheme: str, trials: int, tls) -> list[float]:
     return out
 
 
-def comm_pingpong(scheme: str, sizes, iters: int, tls) -> dict[int, float]:
-    """Median round trip (seconds) per size."""
+def comm_pingpong(
+    scheme: str, sizes, iters: int, tls, connects: int = 0
+) -> dict[int | str, float]:
+    """Median round trip (seconds) per size; under ``"connect"``, the median
+    of ``connects`` fresh comms' ``connect`` plus one 8-byte round trip."""
     import dask.config
     from distributed.comm import connect
     from distributed.protocol import to_serialize
@@ -134,11 +166,21 @@ def comm_pingpong(scheme: str, sizes, iters: int, tls) -> dict[int, float]:
     proc = ctx.Process(target=_echo_server, args=(scheme, tls, child), daemon=True)
     proc.start()
     addr = parent.recv()
-    out: dict[int, float] = {}
+    out: dict[int | str, float] = {}
 
     async def main():
         comm = await connect(addr, timeout=30)
         try:
+            if connects:
+                times = []
+                for _ in range(connects + 1):
+                    t0 = time.perf_counter()
+                    c = await connect(addr, timeout=30)
+                    await c.write(b"12345678")
+                    await c.read()
+                    times.append(time.perf_counter() - t0)
+                    await c.close()
+                out["connect"] = statistics.median(times[1:])
             for size in sizes:
                 msg = {"x": to_serialize(np.ones(size, "u1"))}
                 n = iters if size <= 1 << 20 else max(5, iters // 20)
@@ -196,6 +238,227 @@ def cluster_transfer(scheme: str, sizes, repeats: int, tls) -> dict[int, float]:
     return out
 
 
+def _start_cluster(scheme: str, tls, extra_config: dict):
+    """A two-worker ``LocalCluster`` of ``scheme`` (worker processes) and a
+    Client; returns ``(cluster, client, worker A, worker B)``."""
+    import dask.config
+    from distributed import Client, LocalCluster
+
+    with dask.config.set({"distributed-gpucx.tls": tls, **extra_config}):
+        cluster = LocalCluster(
+            protocol=scheme,
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address=":0",
+            silence_logs=logging.ERROR,
+        )
+    client = Client(cluster, set_as_default=False)
+    client.wait_for_workers(2)
+    wa, wb = sorted(client.scheduler_info()["workers"])
+    return cluster, client, wa, wb
+
+
+def _nbytes(x) -> int:
+    return int(x.nbytes)
+
+
+def _incoming_log(dask_worker) -> list:
+    return [
+        (d.get("duration", 0.0), d.get("total", 0))
+        for d in dask_worker.transfer_incoming_log
+    ]
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this (worker) process, all threads."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _workers_cpu(client) -> float:
+    return sum(client.run(_cpu_seconds).values())
+
+
+def workload_rechunk(client, n: int, chunks: int) -> tuple[float, float]:
+    """(seconds, CPU seconds of both workers) of a P2P rechunk of an
+    ``n x n`` float64 array from ``chunks`` column blocks to as many row
+    blocks (the input is persisted beforehand)."""
+    import dask
+    import dask.array as da
+    from distributed import futures_of, wait
+
+    c = -(-n // chunks)
+    x = client.persist(da.random.random((n, n), chunks=(n, c)))
+    with client.as_current():
+        wait(futures_of(x))
+    with dask.config.set({"array.rechunk.method": "p2p"}):
+        y = x.rechunk((c, n))
+    cpu0 = _workers_cpu(client)
+    t0 = time.perf_counter()
+    y = client.persist(y)
+    with client.as_current():
+        wait(futures_of(y))
+    t = time.perf_counter() - t0
+    cpu = _workers_cpu(client) - cpu0
+    assert y.chunks[0][0] == c
+    del x, y
+    return t, cpu
+
+
+def workload_pull(client, wa: str, wb: str, size: int, pulls: int):
+    """Per pull of an array of ``size`` bytes made on A by a task on B:
+    (seconds from submit to result, seconds of B's fetch in Dask's own
+    ``transfer_incoming_log``)."""
+    times = []
+    before = len(client.run(_incoming_log, workers=[wb])[wb])
+    for _ in range(pulls):
+        fut = client.submit(
+            np.random.random,
+            size // 8,
+            workers=[wa],
+            allow_other_workers=False,
+            pure=False,
+        )
+        client.gather(
+            client.submit(
+                _nbytes, fut, workers=[wa], allow_other_workers=False, pure=False
+            )
+        )
+        t0 = time.perf_counter()
+        got = client.submit(
+            _nbytes, fut, workers=[wb], allow_other_workers=False, pure=False
+        ).result()
+        times.append(time.perf_counter() - t0)
+        assert got == size // 8 * 8
+        del fut
+    log = client.run(_incoming_log, workers=[wb])[wb][before:]
+    fetch = [d for d, total in log if total >= size // 2]
+    if len(fetch) != pulls:  # the log is bounded; never seen short
+        fetch = [float("nan")] * pulls
+    return list(zip(times, fetch, strict=True))
+
+
+def workloads(args, schemes) -> dict:
+    """Both workloads, ``args.rounds`` rounds, schemes in rotated order;
+    returns what ``--json`` writes."""
+    import dask
+    import distributed
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    extra = {}
+    if args.p2p_memory:
+        extra["distributed.p2p.storage.disk"] = False
+    size = _parse_size(args.pull_size)
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": "python benchmarks/bench_dask.py " + " ".join(sys.argv[1:]),
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs",
+        "dask": dask.__version__,
+        "distributed": distributed.__version__,
+        "tls": args.tls,
+        "rechunk": {
+            "n": args.rechunk_n,
+            "chunks": args.rechunk_chunks,
+            "bytes": args.rechunk_n**2 * 8,
+            "disk": not args.p2p_memory,
+        },
+        "pull": {"bytes": size, "pulls_per_round": args.pulls},
+        "rounds": [],
+    }
+    clusters = {s: _start_cluster(s, args.tls, extra) for s in schemes}
+    try:
+        # Warm-up, untimed: connections between the workers (the pools keep
+        # them), the shuffle machinery, the workers' memory at full size.
+        for s in schemes:
+            _, client, wa, wb = clusters[s]
+            workload_rechunk(client, args.rechunk_n, args.rechunk_chunks)
+            workload_pull(client, wa, wb, size, 2)
+        for r in range(args.rounds):
+            order = schemes[r % len(schemes) :] + schemes[: r % len(schemes)]
+            row: dict = {}
+            for s in order:
+                _, client, wa, wb = clusters[s]
+                pulls = workload_pull(client, wa, wb, size, args.pulls)
+                t, cpu = workload_rechunk(client, args.rechunk_n, args.rechunk_chunks)
+                row[s] = {
+                    "rechunk_s": t,
+                    "rechunk_cpu_s": cpu,
+                    "pull_s": [p[0] for p in pulls],
+                    "pull_fetch_s": [p[1] for p in pulls],
+                }
+                print(
+                    f"round {r + 1} {s}://: rechunk {t:.2f} s (workers' CPU "
+                    f"{cpu:.2f} s), pull median "
+                    f"{statistics.median(p[0] for p in pulls) * 1e3:.1f} ms "
+                    f"(fetch {statistics.median(p[1] for p in pulls) * 1e3:.1f} ms)",
+                    flush=True,
+                )
+            res["rounds"].append(row)
+    finally:
+        for cluster, client, _, _ in clusters.values():
+            client.close()
+            cluster.close()
+    return res
+
+
+#: (key, column, scale, format, ratio column) of the workload table.
+_WL_KEYS = (
+    ("rechunk", "rechunk s", 1.0, "{:.2f}", "rechunk"),
+    ("cpu", "rechunk CPU s", 1.0, "{:.2f}", "CPU"),
+    ("pull", "pull ms", 1e3, "{:.1f}", "pull"),
+    ("fetch", "fetch ms", 1e3, "{:.1f}", "fetch"),
+)
+
+
+def print_workloads(res: dict, schemes) -> None:
+    """The per-round table (pull and fetch: median of the round's pulls),
+    its medians and the tcp/gpucx ratios (> 1: the second scheme is
+    faster); adds ``median`` to ``res``."""
+    gb = res["rechunk"]["bytes"] / 1e9
+    mib = res["pull"]["bytes"] / (1 << 20)
+    print(
+        f"\nWorkloads (LocalCluster, 2 worker processes; P2P rechunk of "
+        f"{res['rechunk']['n']}^2 float64 = {gb:.2f} GB, shuffle buffers on "
+        f"{'disk' if res['rechunk']['disk'] else 'memory'}; pulls of "
+        f"{mib:g} MiB A -> B)\n"
+    )
+    ratio = len(schemes) == 2
+    head = ["round"] + [f"{s}:// {k[1]}" for s in schemes for k in _WL_KEYS]
+    if ratio:
+        head += [f"{k[4]} ratio" for k in _WL_KEYS]
+    print("| " + " | ".join(head) + " |")
+    print("|---" + "|---:" * (len(head) - 1) + "|")
+
+    def cells(vals):
+        out = [k[3].format(vals[s][k[0]] * k[2]) for s in schemes for k in _WL_KEYS]
+        if ratio:
+            a, b = (vals[s] for s in schemes)
+            out += [f"{a[k[0]] / b[k[0]]:.2f}x" for k in _WL_KEYS]
+        return out
+
+    per = []
+    for i, row in enumerate(res["rounds"]):
+        vals = {
+            s: {
+                "rechunk": row[s]["rechunk_s"],
+                "cpu": row[s]["rechunk_cpu_s"],
+                "pull": statistics.median(row[s]["pull_s"]),
+                "fetch": statistics.median(row[s]["pull_fetch_s"]),
+            }
+            for s in schemes
+        }
+        per.append(vals)
+        print(f"| {i + 1} | " + " | ".join(cells(vals)) + " |")
+    med = {
+        s: {k[0]: statistics.median(v[s][k[0]] for v in per) for k in _WL_KEYS}
+        for s in schemes
+    }
+    print("| median | " + " | ".join(cells(med)) + " |")
+    res["median"] = med
+
+
 def _fmt_size(n: int) -> str:
     for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= k and n % k == 0:
@@ -213,6 +476,25 @@ def main(argv=None) -> None:
     ap.add_argument("--schemes", default="tcp,gpucx")
     ap.add_argument("--no-cluster", action="store_true")
     ap.add_argument("--kill", type=int, default=0, metavar="N")
+    ap.add_argument(
+        "--connects",
+        type=int,
+        default=20,
+        metavar="N",
+        help="comm level: time N fresh connections (0: none)",
+    )
+    ap.add_argument("--workloads", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rechunk-n", type=int, default=12288)
+    ap.add_argument("--rechunk-chunks", type=int, default=16)
+    ap.add_argument(
+        "--p2p-memory",
+        action="store_true",
+        help="P2P shuffle buffers in memory, not on disk",
+    )
+    ap.add_argument("--pulls", type=int, default=5)
+    ap.add_argument("--pull-size", default="64M")
+    ap.add_argument("--json", default=None, metavar="PATH")
     args = ap.parse_args(argv)
     sizes = [_parse_size(s) for s in args.sizes.split(",")]
     schemes = args.schemes.split(",")
@@ -223,6 +505,15 @@ def main(argv=None) -> None:
         f"dask {dask.__version__}, distributed {distributed.__version__}, "
         f"gpucx tls={args.tls or 'UCX default'}"
     )
+    if args.workloads:
+        res = workloads(args, schemes)
+        print_workloads(res, schemes)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if args.kill:
         print("\nPeer killed: SIGKILL -> CommClosedError of a pending read\n")
         print("| scheme | median | range |\n|---|---:|---:|")
@@ -235,7 +526,15 @@ def main(argv=None) -> None:
                     f"{min(t) * 1e3:.1f}-{max(t) * 1e3:.1f} ms |"
                 )
         return
-    rtt = {s: comm_pingpong(s, sizes, args.iters, args.tls) for s in schemes}
+    rtt = {
+        s: comm_pingpong(s, sizes, args.iters, args.tls, args.connects) for s in schemes
+    }
+    if args.connects:
+        print(
+            "\nNew comm (connect + one 8-byte round trip, median of "
+            f"{args.connects}): "
+            + ", ".join(f"{s}:// {rtt[s]['connect'] * 1e3:.2f} ms" for s in schemes)
+        )
     head = "| size | " + " | ".join(f"{s}:// round trip | {s}:// GB/s" for s in schemes)
     print("\nComm ping-pong (distributed.comm.connect/listen, 2 processes)\n")
     ratio = len(schemes) == 2
