@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -55,16 +57,16 @@ def pattern(seed: int, n: int = N) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def session(lib_path, config=None, token=None):
+def session(lib_path, config=None, token=None, thread_mode="single"):
     """A peer owning an ``N``-byte CUDA region; yields ``(q, w, ep, key)``
     on this side (``token(remote) -> RemoteMemory`` may rewrite the token
-    before it is unpacked)."""
+    before it is unpacked; ``thread_mode`` is this side's worker's)."""
     q, theirs = channel_pair()
     child = spawn(owner, lib_path, theirs, N)
     try:
         cfg = {"TLS": "sm,self", **(config or {})}
         with gpucx.Context(config=cfg) as ctx:
-            w = ctx.create_worker()
+            w = ctx.create_worker(thread_mode)
             _, address, blob = q.get(60)
             remote = RemoteMemory.from_bytes(blob)
             if token is not None:
@@ -303,6 +305,52 @@ def test_notify_after_the_copy(drv, lib_path):
             kind, notes = q.get(60)
             assert notes == [(b"seed=%d" % seed, bytes(pattern(seed)))]
         assert counts(drv)["opens"] == 1
+
+
+def test_threads_progressing_one_worker_finish_each_copy_once(drv, lib_path):
+    """thread_mode="multi": two threads progress the worker while copies
+    with notifications finish; each request completes and each
+    notification is sent exactly once."""
+    with session(lib_path, thread_mode="multi") as (q, w, ep, key):
+        drv._lib.fake_set_polls(5)
+        q.put(("notes", 8))
+        reqs = [
+            ep.put_nb(pattern(seed), key, notify=b"n%d" % seed) for seed in range(8)
+        ]
+        stop = threading.Event()
+        errors: list = []
+
+        def spin():
+            try:
+                while not stop.is_set():
+                    w.progress()
+            except BaseException as exc:  # reported below, not lost in a thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=spin, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not all(r.done() for r in reqs):
+                assert time.monotonic() < deadline, reqs
+                time.sleep(0.001)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(10)
+        assert not errors
+        for r in reqs:
+            assert r.wait(5) is None
+        kind, first = q.get(60)
+        # A last notification: FIFO on the endpoint, so a duplicate of any
+        # earlier one would arrive before it.
+        q.put(("notes", 1))
+        ep.put(pattern(99), key, notify=b"last", timeout=30)
+        kind, rest = q.get(60)
+        notes = [n for n, _ in first + rest]
+        assert sorted(notes) == sorted([b"n%d" % i for i in range(8)] + [b"last"])
+        assert not w._copies
 
 
 def _elsewhere(remote):

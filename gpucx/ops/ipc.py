@@ -28,6 +28,7 @@ with UCX.  docs/rma.md, "gpucx's own path for CUDA regions".
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from .._lib import ffi, lib
@@ -93,11 +94,16 @@ def would_route(rkey, local_memory: str, op: str) -> bool:
 class _Engine:
     """A worker's copy streams (one non-blocking stream per context)."""
 
-    __slots__ = ("worker", "streams")
+    __slots__ = ("worker", "streams", "lock")
 
     def __init__(self, worker):
         self.worker = worker
         self.streams: dict[int, int] = {}
+        # Held while a copy request looks at its copy: with
+        # thread_mode="multi" several threads progress the worker, and a
+        # finished copy must turn its request final (and send its
+        # notification) once.
+        self.lock = threading.Lock()
         worker._on_close.append(self.close)
 
     def stream(self, drv, ctx: int) -> int:
@@ -231,7 +237,7 @@ class CopyRequest(Request):
     False, a ``wait`` that times out leaves it running.
     """
 
-    __slots__ = ("_copy", "_then")
+    __slots__ = ("_copy", "_then", "_lock")
     _cancelable = False
 
     def __init__(self, worker, copy, keep, what, ep, then=None):
@@ -247,6 +253,7 @@ class CopyRequest(Request):
         self._value = None
         self._copy = copy
         self._then = then
+        self._lock = _engine(worker).lock
         worker._pending.add(self)
         worker._copies.append(self)
 
@@ -265,20 +272,29 @@ class CopyRequest(Request):
 
     def _advance(self) -> bool:
         """Look at the copy once; True when the slot is final."""
+        if self._copy is None:
+            return self._slot.status != INPROGRESS
+        with self._lock:
+            return self._advance_locked()
+
+    def _advance_locked(self) -> bool:
         copy = self._copy
-        if copy is None:
+        if copy is None:  # another thread finished it meanwhile
             return self._slot.status != INPROGRESS
         if not copy.poll():
             return False
-        self._copy = None
         then, self._then = self._then, None
         if copy.error is not None:
             self._value = copy.error
         elif then is not None and copy.slot.status == _OK:
             slot, held = then()
-            self._slot = slot
             self._keep = (*self._keep, held)
+            self._slot = slot
+            # Last: a thread that reads _copy unlocked (_advance) then
+            # finds the notification's slot, not the copy's finished one.
+            self._copy = None
             return slot.status != INPROGRESS
+        self._copy = None
         return True
 
     def _complete(self) -> None:
@@ -348,7 +364,10 @@ def poll(worker) -> None:
     copies = worker._copies
     for req in list(copies):
         if req._state or req._advance() or req._copy is None:
-            copies.remove(req)
+            try:
+                copies.remove(req)
+            except ValueError:
+                pass  # taken by another thread progressing this worker (multi)
 
 
 def drain(worker, ep=None, timeout: float | None = None) -> None:
