@@ -76,26 +76,39 @@ def abandon(obj: Any, reason: str) -> None:
     obj._abandon(reason)
 
 
-def pending_holding(worker: Any, obj: Any) -> list:
-    """The worker's requests still in UCX's hands that keep ``obj``.
+def _holds(keep: Any, obj: Any) -> bool:
+    """Whether an operation's keepalive holds ``obj``: RMA and atomic
+    operations keep ``(buffer, key, ...)``, those of a prepared transfer
+    ``(buffers, keys, ...)``: a key is held when it is the second item, or
+    one of the second item's items."""
+    return (
+        type(keep) is tuple
+        and len(keep) > 1
+        and (
+            keep[1] is obj
+            or (type(keep[1]) is tuple and any(k is obj for k in keep[1]))
+        )
+    )
 
-    RMA and atomic requests keep ``(buffer, key, ...)`` while pending, those
-    of a prepared transfer ``(buffers, keys, ...)``: a key is held when it
-    is the second item, or one of the second item's items."""
-    out = []
-    for r in worker._pending:
-        keep = r._keep
-        if (
-            type(keep) is tuple
-            and len(keep) > 1
-            and (
-                keep[1] is obj
-                or (type(keep[1]) is tuple and any(k is obj for k in keep[1]))
-            )
-            and r._slot.status == INPROGRESS
-        ):
-            out.append(r)
-    return out
+
+def pending_holding(worker: Any, obj: Any) -> list:
+    """The worker's requests still in UCX's hands that keep ``obj``."""
+    return [
+        r
+        for r in worker._pending
+        if r._slot.status == INPROGRESS and _holds(r._keep, obj)
+    ]
+
+
+def parked_holding(worker: Any, obj: Any) -> list:
+    """The slots of operations parked on the worker (timed out or canceled
+    while UCX still holds them, :func:`gpucx.request.abandon`) that keep
+    ``obj`` and that UCX has not let go of yet."""
+    return [
+        slot
+        for slot, keep in worker._parked
+        if slot.status == INPROGRESS and _holds(keep, obj)
+    ]
 
 
 def defer_to_closing(ep: Any, rkey: Any) -> bool:

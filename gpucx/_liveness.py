@@ -233,7 +233,18 @@ def _close_keys(worker, ep) -> None:
 
 
 def sweep_parked(worker) -> None:
-    """Free parked slots UCX has let go of (their buffers go with them)."""
+    """Free parked slots UCX has let go of (their buffers go with them), and
+    the remote keys closed while such operations held them, once UCX let
+    go of every one."""
+    keys = worker._parked_keys
+    if keys:
+        left = []
+        for rkey_h, slots in keys:
+            if any(s.status == INPROGRESS for s in slots):
+                left.append((rkey_h, slots))
+            else:
+                lib.gpucx_rkey_destroy(rkey_h)
+        keys[:] = left
     parked = worker._parked
     if parked and any(s.status != INPROGRESS for s, _ in parked):
         keep = []

@@ -253,10 +253,16 @@ def settle(worker_h, reqs, end: float) -> bool:
     The bounded wait of the close paths (worker, endpoint, remote key):
     progress only, no sleep.  True when none is pending any more.
     """
-    pending = [r for r in reqs if r._slot.status == INPROGRESS]
+    return settle_slots(worker_h, [r._slot for r in reqs], end)
+
+
+def settle_slots(worker_h, slots, end: float) -> bool:
+    """:func:`settle` for completion slots (parked operations have no
+    request): True when none of ``slots`` is pending any more."""
+    pending = [s for s in slots if s.status == INPROGRESS]
     while pending and time.monotonic() < end:
         lib.ucp_worker_progress(worker_h)
-        pending = [r for r in pending if r._slot.status == INPROGRESS]
+        pending = [s for s in pending if s.status == INPROGRESS]
     return not pending
 
 

@@ -74,6 +74,9 @@ class Worker(Handle):
         self._pending: set = set()
         self._sweep_at = _SWEEP_MIN
         self._parked: list = []
+        # Remote keys closed while parked operations held them:
+        # (ucp_rkey_h, their slots), freed once UCX let go of those.
+        self._parked_keys: list = []
         # gpucx's own copy-engine copies in flight (gpucx.ops.ipc) and the
         # streams they run on (made at the first).
         self._copies: list = []
@@ -418,6 +421,12 @@ class Worker(Handle):
         for req in list(self._pending):
             if req._slot.status != INPROGRESS:
                 req._complete()
+        for rkey_h, slots in self._parked_keys:
+            if all(s.status != INPROGRESS for s in slots):
+                lib.gpucx_rkey_destroy(rkey_h)
+            # else UCX still holds an operation using it: the worker's
+            # destruction takes the key with it, never freed under UCX.
+        self._parked_keys.clear()
         for slot, _keep in self._parked:
             lib.gpucx_slot_release(slot)
         _am.detach(self)

@@ -557,3 +557,97 @@ def test_put_with_notify_across_processes(tls):
             list(range(100, 106)),
             lambda seed: ep.put_nb(pattern(seed, size), key, notify=b"seed=%d" % seed),
         )
+
+
+class _DestroySpy:
+    """Wraps gpucx.mem.remote's extension module: records each
+    ``gpucx_rkey_destroy`` (with the number of operations still parked on
+    the worker holding the key at that moment) and passes it on."""
+
+    def __init__(self, lib, worker, key):
+        self._lib, self._worker, self._key = lib, worker, key
+        self.calls: list[int] = []
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name != "gpucx_rkey_destroy":
+            return attr
+
+        def destroy(h):
+            self.calls.append(_parked_with(self._worker, self._key))
+            return attr(h)
+
+        return destroy
+
+
+_INPROGRESS = gpucx._lib.lib.UCS_INPROGRESS
+
+
+def _parked_with(worker, key) -> int:
+    """Operations parked on ``worker`` that UCX still holds, keeping ``key``."""
+    return sum(
+        1
+        for slot, keep in worker._parked
+        if slot.status == _INPROGRESS
+        and type(keep) is tuple
+        and len(keep) > 1
+        and keep[1] is key
+    )
+
+
+def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
+    """A blocking put that times out while UCX still holds it (emulated: the
+    target does not progress, UCX cannot withdraw it) is parked with its
+    key; closing the key must not free the ``ucp_rkey_h`` under it.  The
+    key is freed once UCX let go of the put."""
+    from gpucx import _liveness
+    from gpucx.mem import remote as _remote
+
+    mem, region, key = exported(pair, 1 << 20)
+    row = pair.ab.protocol("put", 1 << 20)
+    src = pattern(9, 1 << 20)
+    try:
+        pair.ab.put(src, key, timeout=0.05)  # pair.b is not progressed
+    except gpucx.TimeoutError:
+        pass
+    if not _parked_with(pair.a, key):
+        pytest.skip(f"the put completed without its target here ({row})")
+    spy = _DestroySpy(_remote.lib, pair.a, key)
+    monkeypatch.setattr(_remote, "lib", spy)
+    monkeypatch.setattr(_liveness, "lib", spy)  # the worker's deferred free
+    key.close(timeout=0.2)  # the target is idle: the put stays in UCX's hands
+    assert key.closed
+    assert spy.calls == []  # never freed while the put holds it
+    with background(pair.b):
+        deadline = time.monotonic() + 10
+        while _parked_with(pair.a, key) or not spy.calls:
+            pair.a.progress()
+            assert time.monotonic() < deadline, (spy.calls, pair.a._parked)
+    assert spy.calls == [0]
+    assert np.array_equal(mem, src)
+    region.close()
+
+
+@pytest.mark.parametrize("target_progresses", [True, False])
+def test_worker_close_after_a_key_closed_under_a_parked_put(pair, target_progresses):
+    """The worker's close frees a key whose parked put UCX let go of before
+    the worker goes, and leaves one UCX still holds to the worker's own
+    destruction (no crash either way, the close stays bounded)."""
+    mem, region, key = exported(pair, 1 << 20)
+    try:
+        pair.ab.put(pattern(3, 1 << 20), key, timeout=0.05)
+    except gpucx.TimeoutError:
+        pass
+    if not _parked_with(pair.a, key):
+        pytest.skip("the put completed without its target here")
+    key.close(timeout=0.2)
+    assert pair.a._parked_keys
+    t0 = time.monotonic()
+    if target_progresses:
+        with background(pair.b):
+            pair.a.close(timeout=5)
+    else:
+        pair.a.close(timeout=0.5)
+    assert pair.a.closed and time.monotonic() - t0 < 10
+    assert not pair.a._parked_keys
+    region.close()
