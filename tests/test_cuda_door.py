@@ -130,3 +130,67 @@ def test_host_memory_does_not_enter_the_door(fake_driver, pair, monkeypatch):
     pair.drive(req)
     assert buf == b"12345678"
     assert events == []
+
+
+class _InProgressSpy(PostSpy):
+    """A :class:`PostSpy` whose post reports ``UCS_INPROGRESS`` (handed to
+    UCX, not finished) instead of raising: the call goes on to its wait."""
+
+    def __getattr__(self, name):
+        attr = getattr(self._lib, name)
+        if name not in self._names:
+            return attr
+
+        def post(*args):
+            self._events.append(("post", name, args[self._mt_index]))
+            return _INPROGRESS
+
+        return post
+
+
+_INPROGRESS = _tag.lib.UCS_INPROGRESS
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "mt_index", "call"),
+    [
+        (_tag, "gpucx_tag_recv_wait", 5, lambda p, b: p.b.recv(b, tag=1)),
+        (_tag, "gpucx_tag_recv", 5, lambda p, b: p.b.recv(b, tag=1, timeout=5)),
+        (_stream, "gpucx_stream_recv_wait", 4, lambda p, b: p.ab.stream_recv(b)),
+        (
+            _stream,
+            "gpucx_stream_recv",
+            3,
+            lambda p, b: p.ab.stream_recv(b, timeout=5),
+        ),
+    ],
+    ids=["tag-recv", "tag-recv-timeout", "stream-recv", "stream-recv-timeout"],
+)
+def test_blocking_receive_waits_outside_the_door(
+    fake_driver, pair, monkeypatch, module, name, mt_index, call
+):
+    """A blocking receive into device memory posts through the door and
+    waits after it: no device context stays pushed while the wait runs
+    handlers (user code) for as long as the message takes."""
+    arr = np.arange(32, dtype=np.uint8)
+    events = []
+    _setup_fake(fake_driver, pair, monkeypatch, arr, device=1, polls=0)
+    fake_driver.observer = events.append
+    fake_driver.current = OTHER_CTX
+    monkeypatch.setattr(
+        module, "lib", _InProgressSpy(module.lib, {name}, events, mt_index)
+    )
+    seen = []
+
+    def block(worker, slot, timeout, keep=None):
+        seen.append((fake_driver.current, list(fake_driver.stack)))
+        return 0  # finished
+
+    monkeypatch.setattr(module, "block", block)
+    call(pair, FakeCudaArrayV2(arr))
+    kinds = [e[0] for e in events]
+    post = kinds.index("post")
+    assert "push" in kinds[:post] and "pop" in kinds[post:]
+    assert events[post][2] == CUDA
+    assert seen == [(OTHER_CTX, [])]
+    assert fake_driver.current == OTHER_CTX and fake_driver.stack == []

@@ -49,17 +49,21 @@ def _open(ep):
     return h, w
 
 
-def _post(w, ptr, mt: int, stream, what: str, post, take=_sync_slot):
+def _post(w, ptr, mt: int, stream, what: str, post, take=_sync_slot, keep=None):
     """Take a slot and run ``post(slot)``; return ``(slot, status)``.
 
-    CUDA memory, or a ``stream`` to wait for, goes through the CUDA door;
-    the slot is taken inside it, since waiting for the stream progresses
-    the worker and a handler run meanwhile may take the shared slot.
+    CUDA memory, or a ``stream`` to wait for, goes through the CUDA door
+    (``keep``: :func:`acquire`'s keepalive, a deferred producer stream the
+    door waits for); the slot is taken inside it, since waiting for the
+    stream progresses the worker and a handler run meanwhile may take the
+    shared slot.  ``post`` may spin in C (bounded) but never blocks: the
+    unbounded wait of a blocking call runs after the door (no device
+    context stays pushed while handlers run), as for tag messages.
     """
     if mt == _HOST and stream is None:
         slot = take(w)
         return slot, post(slot)
-    with _cuda.door(w, ptr, mt, stream, what):
+    with _cuda.door(w, ptr, mt, stream, what, keep):
         slot = take(w)
         return slot, post(slot)
 
@@ -96,7 +100,7 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
         If the context was created without the ``"stream"`` feature.
     """
     h, w = _open(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
+    ptr, n, mt, keep = acquire(buf, False, stream, True)
     slot, st = _post(
         w,
         ptr,
@@ -104,6 +108,7 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
         stream,
         _SEND,
         lambda s: lib.gpucx_stream_send_wait(w._state, h, ptr, n, mt, s, w._spin_ns),
+        keep=keep,
     )
     if st:
         finish(w, slot, st, timeout, _SEND, ep, keep)
@@ -130,9 +135,15 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
         If the context was created without the ``"stream"`` feature.
     """
     h, w = _open(ep)
-    ptr, n, mt, keep = acquire(buf, False, stream)
+    ptr, n, mt, keep = acquire(buf, False, stream, True)
     slot, st = _post(
-        w, ptr, mt, stream, _SEND, lambda s: lib.gpucx_stream_send(h, ptr, n, mt, s)
+        w,
+        ptr,
+        mt,
+        stream,
+        _SEND,
+        lambda s: lib.gpucx_stream_send(h, ptr, n, mt, s),
+        keep=keep,
     )
     return posted(w, slot, st, keep, _SEND, ep)
 
@@ -162,24 +173,29 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
         If the context was created without the ``"stream"`` feature.
     """
     h, w = _open(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
+    ptr, n, mt, keep = acquire(buf, True, stream, True)
     slot, st = _post(
-        w, ptr, mt, stream, _RECV, lambda s: _recv(w, h, ptr, n, mt, timeout, keep, s)
+        w,
+        ptr,
+        mt,
+        stream,
+        _RECV,
+        lambda s: _recv(w, h, ptr, n, mt, timeout, s),
+        keep=keep,
     )
+    if st == INPROGRESS:
+        st = block(w, slot, timeout, keep)  # past the CUDA door
     if st:
         raise_status(st, _RECV, ep, slot, n)
     return slot.length
 
 
-def _recv(w, h, ptr, n: int, mt: int, timeout, keep, slot) -> int:
-    """Post a stream receive into ``slot`` and wait for it; its status."""
+def _recv(w, h, ptr, n: int, mt: int, timeout, slot) -> int:
+    """Post a stream receive into ``slot`` (spinning in C for it, bounded,
+    when there is no ``timeout``); its status."""
     if timeout is None:
-        st = lib.gpucx_stream_recv_wait(w._state, h, ptr, n, mt, slot, w._spin_ns)
-    else:
-        st = lib.gpucx_stream_recv(h, ptr, n, mt, slot)
-    if st == INPROGRESS:
-        st = block(w, slot, timeout, keep)
-    return st
+        return lib.gpucx_stream_recv_wait(w._state, h, ptr, n, mt, slot, w._spin_ns)
+    return lib.gpucx_stream_recv(h, ptr, n, mt, slot)
 
 
 def stream_recv_nb(ep, buf, *, stream=None) -> Request:
@@ -203,7 +219,7 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
         If the context was created without the ``"stream"`` feature.
     """
     h, w = _open(ep)
-    ptr, n, mt, keep = acquire(buf, True, stream)
+    ptr, n, mt, keep = acquire(buf, True, stream, True)
     slot, _ = _post(
         w,
         ptr,
@@ -212,5 +228,6 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
         _RECV,
         lambda s: lib.gpucx_stream_recv(h, ptr, n, mt, s),
         _fresh_slot,
+        keep,
     )
     return Request(w, slot, keep, _RECV, _length, ep, n)
