@@ -261,3 +261,54 @@ def test_worker_close_with_pending_requests(ctx):
     # The flush close of a's endpoint can only end by its timeout: b is gone.
     a.close(timeout=1)
     assert big.done()
+
+
+class _RaisingLib:
+    """Stands in for gpucx.ops.tag's extension module: the named post calls
+    raise ``TypeError("boom")`` (a fault that is not the tag's); the rest
+    pass on."""
+
+    def __init__(self, lib, names):
+        self._lib, self._names = lib, names
+
+    def __getattr__(self, name):
+        if name in self._names:
+
+            def post(*args):
+                raise TypeError("boom")
+
+            return post
+        return getattr(self._lib, name)
+
+
+_POSTS = {
+    "gpucx_tag_send_wait",
+    "gpucx_tag_send",
+    "gpucx_tag_recv_wait",
+    "gpucx_tag_recv",
+}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p, tag: p.ab.send(b"x" * 8, tag=tag),
+        lambda p, tag: p.ab.send_nb(b"x" * 8, tag=tag),
+        lambda p, tag: p.b.recv(bytearray(8), tag=tag),
+        lambda p, tag: p.b.recv(bytearray(8), tag=tag, timeout=1),
+        lambda p, tag: p.b.recv_nb(bytearray(8), tag=tag),
+    ],
+    ids=["send", "send_nb", "recv", "recv-timeout", "recv_nb"],
+)
+def test_post_errors_are_named_alike_by_every_entry_point(pair, monkeypatch, call):
+    """A TypeError of the post call is a bad tag only when the tag is bad:
+    the blocking calls say what the non-blocking ones say."""
+    from gpucx.ops import tag as _tag
+
+    monkeypatch.setattr(_tag, "lib", _RaisingLib(_tag.lib, _POSTS))
+    with pytest.raises(TypeError, match="boom"):
+        call(pair, 5)
+    with pytest.raises(ValueError, match=r"tag must be in \[0, 2\*\*64\)"):
+        call(pair, -1)
+    with pytest.raises(TypeError, match="tag must be an int"):
+        call(pair, "5")

@@ -39,13 +39,17 @@ _SEND = "tag send"
 _RECV = "tag recv"
 
 
-def _bad_tag(tag, tag_mask=0) -> ValueError | TypeError:
+def _bad_tag(exc: Exception, tag, tag_mask=0) -> Exception:
+    """What to raise for ``exc``, an ``OverflowError`` or ``TypeError`` of a
+    post call: the error naming a bad ``tag`` or ``tag_mask``, or ``exc``
+    itself when both are good (then the cause is elsewhere, and every
+    entry point says so alike)."""
     for name, value in (("tag", tag), ("tag_mask", tag_mask)):
         if not isinstance(value, int):
             return TypeError(f"{name} must be an int, not {type(value).__name__}")
         if not 0 <= value <= TAG_MASK_FULL:
             return ValueError(f"{name} must be in [0, 2**64), not {value}")
-    return ValueError("bad tag")  # pragma: no cover
+    return exc
 
 
 def _iov(bufs, writable: bool, stream=None):
@@ -126,8 +130,8 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
         slot = new_slot() if w._multi else w._sslot
         try:
             st = lib.gpucx_tag_send_wait(w._state, h, ptr, n, tag, mt, slot, w._spin_ns)
-        except (OverflowError, TypeError):
-            raise _bad_tag(tag) from None
+        except (OverflowError, TypeError) as exc:
+            raise _bad_tag(exc, tag) from None
     else:
         with _cuda.door(w, ptr, mt, stream, _SEND, keep):
             slot, st = _send(w, h, ptr, n, tag, mt)
@@ -152,8 +156,8 @@ def _send(w, h, ptr, n: int, tag, mt: int):
         return slot, lib.gpucx_tag_send_wait(
             w._state, h, ptr, n, tag, mt, slot, w._spin_ns
         )
-    except (OverflowError, TypeError):
-        raise _bad_tag(tag) from None
+    except (OverflowError, TypeError) as exc:
+        raise _bad_tag(exc, tag) from None
 
 
 def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Request:
@@ -204,9 +208,7 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
                 with _cuda.door(w, ptr, mt, stream, _SEND, keep):
                     st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
     except (OverflowError, TypeError) as exc:
-        if isinstance(tag, int) and 0 <= tag <= TAG_MASK_FULL:
-            raise exc
-        raise _bad_tag(tag) from None
+        raise _bad_tag(exc, tag) from None
     req = posted(w, slot, st, keep, _SEND, ep)
     if mt != _HOST and not (ep._proto_seen >> (32 + mt)) & 1:
         _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
@@ -277,8 +279,8 @@ def recv(
                 )
             else:
                 st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
-        except (OverflowError, TypeError):
-            raise _bad_tag(tag, tag_mask) from None
+        except (OverflowError, TypeError) as exc:
+            raise _bad_tag(exc, tag, tag_mask) from None
     else:
         with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
             slot, st = _recv(worker, h, ptr, n, tag, tag_mask, mt, timeout)
@@ -301,8 +303,8 @@ def _recv(worker, h, ptr, n: int, tag, tag_mask, mt: int, timeout):
             )
         else:
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
-    except (OverflowError, TypeError):
-        raise _bad_tag(tag, tag_mask) from None
+    except (OverflowError, TypeError) as exc:
+        raise _bad_tag(exc, tag, tag_mask) from None
     return slot, st
 
 
@@ -347,9 +349,7 @@ def recv_nb(
                 with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
                     lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError) as exc:
-        if all(isinstance(v, int) and 0 <= v <= TAG_MASK_FULL for v in (tag, tag_mask)):
-            raise exc
-        raise _bad_tag(tag, tag_mask) from None
+        raise _bad_tag(exc, tag, tag_mask) from None
     return Request(worker, slot, keep, _RECV, _recv_info, None, n)
 
 
@@ -461,8 +461,8 @@ def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = Fa
     lib.ucp_worker_progress(h)
     try:
         found = lib.gpucx_tag_probe(h, tag, tag_mask, 1 if remove else 0, info, msg)
-    except (OverflowError, TypeError):
-        raise _bad_tag(tag, tag_mask) from None
+    except (OverflowError, TypeError) as exc:
+        raise _bad_tag(exc, tag, tag_mask) from None
     if not found:
         return None
     return ProbedMessage(
