@@ -406,6 +406,10 @@ class RemoteKey(Handle):
 
     A child of its endpoint: closing the endpoint closes the key first.
     Closing waits (bounded) for RMA and atomic requests still using it.
+    Closing a key whose CUDA IPC handle gpucx opened (gpucx's own path,
+    :attr:`cuda_ipc`) first waits for the copies still in flight on it
+    (they need no peer: the copy engines finish them), then closes the
+    handle.
 
     Attributes
     ----------
@@ -413,11 +417,6 @@ class RemoteKey(Handle):
         The token it was unpacked from.
     endpoint : Endpoint
         The endpoint it is bound to; RMA through any other is refused.
-
-    Closing a key whose CUDA IPC handle gpucx opened (gpucx's own path,
-    :attr:`cuda_ipc`) first waits for the copies still in flight on it
-    (they need no peer: the copy engines finish them), then closes the
-    handle.
     """
 
     def __init__(self, ep, remote: RemoteMemory):
