@@ -23,7 +23,9 @@
 #    ucx:cuda: the host memory ucx_perftest uses), and GPU with NumPy host
 #    memory both ways (-m cuda:host, -m host:cuda: pageable, so no
 #    like-for-like ratio), and NumPy memory registered with the context
-#    (-m reg:cuda: pinned by UCX); each GPU row also shows its limit, the machine's
+#    (-m reg:cuda: pinned by UCX), and put/get through the Python API
+#    between NumPy memory and a GPU (--api python -m host:cuda, cuda:host:
+#    gpucx's own CUDA IPC copies, docs/rma.md); each GPU row also shows its limit, the machine's
 #    copy between the same memory kinds, and the fraction of it reached;
 #    then the protocols UCX picks on those paths (UCX_PROTO_INFO=y), one
 #    table per operation;
@@ -108,6 +110,11 @@ bench() {   # bench MEMORY [EXTRA_TESTS]
     "$GPY" -m gpucx.cli bench -t "tag_bw,put_bw,get_bw,am_bw${2:+,$2}" -s "${GPU_CHECK_SIZES:-1M,64M}" -m "$1" \
         --vs-perftest --no-progress --json "$LOGS/bench-${1/:/-}.json"
 }
+own_path() {   # MEMORY: put/get through the Python API, where gpucx's own
+    # CUDA IPC copies serve host<->GPU RMA (the C loops post to UCX directly)
+    "$GPY" -m gpucx.cli bench -t put_bw,get_bw --api python -s "${GPU_CHECK_SIZES:-1M,64M}" \
+        -m "$1" --no-progress --json "$LOGS/own-${1/:/-}.json"
+}
 proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
     sed 's/^\[[^]]*\] \[[^]]*\] *//' | awk '
         /^\+-/ { next }
@@ -147,6 +154,8 @@ if [ $? -eq 0 ]; then
     step "gpucx bench -m cuda:host (NumPy host memory) vs ucx_perftest" bench cuda:host
     step "gpucx bench -m host:cuda (NumPy host memory) vs ucx_perftest" bench host:cuda
     step "gpucx bench -m reg:cuda (registered NumPy memory) vs ucx_perftest" bench reg:cuda
+    step "gpucx's own CUDA IPC path: put/get -m host:cuda (--api python)" own_path host:cuda
+    step "gpucx's own CUDA IPC path: put/get -m cuda:host (--api python)" own_path cuda:host
     step "UCX protocols of the GPU paths (UCX_PROTO_INFO)" protocols
 fi
 

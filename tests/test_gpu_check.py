@@ -206,6 +206,10 @@ def test_bench_steps_cover_every_gpu_row_of_the_issue():
         "bench host:cuda",
         "bench reg:cuda",
     ]
+    assert [s for s in steps if s.startswith("own_path ")] == [
+        "own_path host:cuda",
+        "own_path cuda:host",
+    ]
     assert steps.index("copy_limits") < steps.index("bench cuda array_bw")
     assert "protocols" in steps and "pytest_cuda tests" in steps
 
