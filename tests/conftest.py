@@ -183,3 +183,24 @@ def channel_pair():
     """``(ours, theirs)``: two connected :class:`Channel` ends."""
     a, b = mp.get_context("spawn").Pipe(duplex=True)
     return Channel(a), Channel(b)
+
+
+@pytest.fixture
+def hosts():
+    """Two emulated hosts (tests/hosts.py): network namespaces joined by a
+    veth pair, each starting processes with a fresh /dev/shm; always torn
+    down.  Skips where namespaces cannot be made."""
+    import hosts as _hosts
+
+    reason = _hosts.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts on one machine: {reason}")
+    try:
+        cm = _hosts.make_hosts()
+        made = cm.__enter__()
+    except _hosts.HostsUnavailable as e:
+        pytest.skip(f"two hosts on one machine: {e}")
+    try:
+        yield made
+    finally:
+        cm.__exit__(None, None, None)

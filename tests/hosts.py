@@ -1,0 +1,310 @@
+"""Two "hosts" on one machine: network namespaces joined by a veth pair.
+
+Each host is a network namespace of its own (``ip netns add``) holding one
+end of a veth pair, with an address on a private /24 that exists only on
+those two interfaces (no route leads anywhere else, and the root namespace
+never sees either end).  A process starts on a host through
+``ip netns exec NS unshare --uts --mount --ipc`` with a fresh tmpfs on
+``/dev/shm`` and a hostname of its own, so UCX finds no shared memory (no
+POSIX or System V segments, no common hostname) between the two hosts and
+reaches the other one by TCP only.
+
+:func:`make_hosts` is a context manager that always tears down: every
+process it started is killed (process group and anything else left in the
+namespaces), then the namespaces are deleted, which removes the veth pair.
+Names carry the pid of the test run (``gpucx-h<pid>-a``), so parallel runs do
+not clash, and namespaces of this prefix left by a run whose process is gone
+are removed at the next start.
+
+:class:`Peer` talks to a child over its stdin/stdout, one JSON value a line
+(bytes as ``{"b": hex}``), with a timeout on every read: a multiprocessing
+queue does not cross namespaces, a pipe does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PREFIX = "gpucx-h"
+SUBNET = "10.231.0"
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+class HostsUnavailable(Exception):
+    """Namespaces cannot be made here; the message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why two namespaces cannot be made on this machine, or None."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"no `{tool}` command"
+    return None
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        raise HostsUnavailable(f"`{' '.join(argv)}` failed: {p.stderr.strip()}")
+    return p
+
+
+def _ns_pids(ns: str) -> list[int]:
+    p = _run("ip", "netns", "pids", ns, check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def _kill_ns(ns: str) -> None:
+    """Kill every process in ``ns`` and delete it (removing its veth end)."""
+    for _ in range(50):
+        pids = _ns_pids(ns)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+    _run("ip", "netns", "delete", ns, check=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_up(links: list[tuple[str, str]], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    for ns, ifname in links:
+        while True:
+            out = _run("ip", "-n", ns, "-o", "link", "show", "dev", ifname).stdout
+            if "LOWER_UP" in out and "state UP" in out:
+                break
+            if time.monotonic() > end:
+                raise HostsUnavailable(
+                    f"{ifname} in {ns} not up after {timeout} s: {out}"
+                )
+            time.sleep(0.01)
+
+
+def clean_stale() -> None:
+    """Remove namespaces of this prefix whose test run is gone."""
+    p = _run("ip", "netns", "list", check=False)
+    for line in p.stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(rf"{PREFIX}(\d+)-[a-z]", name)
+        if m and not _alive(int(m.group(1))):
+            _kill_ns(name)
+
+
+class Peer:
+    """A child process on a host, spoken to one JSON line at a time."""
+
+    def __init__(self, proc: subprocess.Popen, label: str):
+        self.proc = proc
+        self.label = label
+        self._lines: queue.Queue = queue.Queue()
+        self._err: list[str] = []
+        threading.Thread(
+            target=self._read, args=(proc.stdout, True), daemon=True
+        ).start()
+        threading.Thread(
+            target=self._read, args=(proc.stderr, False), daemon=True
+        ).start()
+
+    def _read(self, stream, out: bool) -> None:
+        for line in stream:
+            (self._lines.put if out else self._err.append)(line)
+        if out:
+            self._lines.put(None)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err[-40:])
+
+    def put(self, obj) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(encode(obj)) + "\n")
+        self.proc.stdin.flush()
+
+    def get(self, timeout: float = 30.0):
+        """The next value the child printed; fails after ``timeout`` s or
+        when the child exits without printing one."""
+        return decode(json.loads(self.readline(timeout)))
+
+    def readline(self, timeout: float = 30.0) -> str:
+        """The next line the child printed (as :meth:`get`, not decoded)."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(
+                f"{self.label} said nothing for {timeout} s; stderr:\n{self.stderr}"
+            ) from None
+        if line is None:
+            self.proc.wait(5)
+            raise AssertionError(
+                f"{self.label} exited ({self.proc.returncode}) without an answer; "
+                f"stderr:\n{self.stderr}"
+            )
+        return line
+
+    def join(self, timeout: float = 30.0) -> None:
+        """Wait for a clean exit; fail (the fixture kills it) otherwise."""
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.label} hung for {timeout} s") from None
+        assert rc == 0, f"{self.label} exited with {rc}; stderr:\n{self.stderr}"
+
+
+def encode(obj):
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {"b": bytes(obj).hex()}
+    if isinstance(obj, (list, tuple)):
+        return [encode(x) for x in obj]
+    return obj
+
+
+def decode(obj):
+    if isinstance(obj, dict) and set(obj) == {"b"}:
+        return bytes.fromhex(obj["b"])
+    if isinstance(obj, list):
+        return [decode(x) for x in obj]
+    return obj
+
+
+class Host:
+    """One emulated host: a network namespace, its veth end and address."""
+
+    def __init__(self, ns: str, ifname: str, address: str, hostname: str):
+        self.ns = ns
+        self.ifname = ifname
+        self.address = address
+        self.hostname = hostname
+        self.procs: list[subprocess.Popen] = []
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` on this host (own UTS, mount and IPC namespaces, a
+        fresh /dev/shm); the process is killed at teardown."""
+        script = (
+            "mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+            f'hostname {self.hostname} && exec "$@"'
+        )
+        env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(TESTS), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        kwargs["env"] = env
+        kwargs.setdefault("text", True)
+        proc = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                self.ns,
+                "unshare",
+                "--uts",
+                "--mount",
+                "--ipc",
+                "sh",
+                "-c",
+                script,
+                "sh",
+                *argv,
+            ],  # fmt: skip
+            start_new_session=True,
+            **kwargs,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def python(self, *args: str, label: str | None = None) -> Peer:
+        """A Python child (``python *args``) spoken to through :class:`Peer`."""
+        proc = self.popen(
+            [sys.executable, "-u", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=1,
+        )
+        return Peer(proc, label or f"{self.hostname}: {' '.join(args)}")
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+        self.procs.clear()
+
+
+@contextlib.contextmanager
+def make_hosts():
+    """Yield two :class:`Host` objects joined by a veth pair on a private
+    /24; always tear down.  Raises :class:`HostsUnavailable` when the
+    namespaces cannot be made."""
+    reason = unavailable_reason()
+    if reason:
+        raise HostsUnavailable(reason)
+    clean_stale()
+    pid = os.getpid()
+    hosts = [
+        # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
+        Host(
+            f"{PREFIX}{pid}-{x}", f"gxh{pid}{x}", f"{SUBNET}.{i + 1}", f"gpucx-host-{x}"
+        )
+        for i, x in enumerate("ab")
+    ]
+    made: list[str] = []
+    try:
+        for h in hosts:
+            _kill_ns(h.ns)  # a leftover of this very run (an earlier test)
+            _run("ip", "netns", "add", h.ns)
+            made.append(h.ns)
+            _run("ip", "-n", h.ns, "link", "set", "lo", "up")
+        a, b = hosts
+        # Both ends are made inside their namespaces: neither ever exists in
+        # the machine's own namespace.
+        _run(
+            "ip", "link", "add", a.ifname, "netns", a.ns,
+            "type", "veth", "peer", "name", b.ifname, "netns", b.ns,
+        )  # fmt: skip
+        for h in hosts:
+            _run("ip", "-n", h.ns, "addr", "add", f"{h.address}/24", "dev", h.ifname)
+            _run("ip", "-n", h.ns, "link", "set", h.ifname, "up")
+        # A veth end is operationally up (carrier on) a moment after both
+        # ends are set up; UCX skips an interface that is not, and each
+        # process lists interfaces once, when its context is made.
+        _wait_up([(h.ns, h.ifname) for h in hosts])
+        yield hosts
+    finally:
+        for h in hosts:
+            h.kill_all()
+        for ns in made:
+            _kill_ns(ns)
