@@ -132,22 +132,6 @@ def test_host_memory_does_not_enter_the_door(fake_driver, pair, monkeypatch):
     assert events == []
 
 
-class _InProgressSpy(PostSpy):
-    """A :class:`PostSpy` whose post reports ``UCS_INPROGRESS`` (handed to
-    UCX, not finished) instead of raising: the call goes on to its wait."""
-
-    def __getattr__(self, name):
-        attr = getattr(self._lib, name)
-        if name not in self._names:
-            return attr
-
-        def post(*args):
-            self._events.append(("post", name, args[self._mt_index]))
-            return _INPROGRESS
-
-        return post
-
-
 _INPROGRESS = _tag.lib.UCS_INPROGRESS
 
 
@@ -178,7 +162,9 @@ def test_blocking_receive_waits_outside_the_door(
     fake_driver.observer = events.append
     fake_driver.current = OTHER_CTX
     monkeypatch.setattr(
-        module, "lib", _InProgressSpy(module.lib, {name}, events, mt_index)
+        module,
+        "lib",
+        PostSpy(module.lib, {name}, events, mt_index, returns=_INPROGRESS),
     )
     seen = []
 

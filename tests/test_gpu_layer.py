@@ -348,13 +348,19 @@ class _Posted(Exception):
 class PostSpy:
     """Wraps the extension module of an ops module: records the post calls
     named in ``names`` with their memory type and raises :class:`_Posted`
-    (host memory posing as CUDA must not reach UCX); passes the rest on."""
+    (host memory posing as CUDA must not reach UCX); passes the rest on.
+    With ``returns`` given, a post reports that status instead of raising
+    (``0``: finished, ``UCS_INPROGRESS``: handed to UCX), and the operation
+    goes on past it."""
 
-    def __init__(self, lib, names, events, mt_index):
+    _RAISE = object()
+
+    def __init__(self, lib, names, events, mt_index, returns=_RAISE):
         self._lib = lib
         self._names = names
         self._events = events
         self._mt_index = mt_index
+        self._returns = returns
 
     def __getattr__(self, name):
         attr = getattr(self._lib, name)
@@ -363,7 +369,9 @@ class PostSpy:
 
         def post(*args):
             self._events.append(("post", name, args[self._mt_index]))
-            raise _Posted(name)
+            if self._returns is PostSpy._RAISE:
+                raise _Posted(name)
+            return self._returns
 
         return post
 
@@ -873,22 +881,6 @@ def test_unpack_device_without_driver(no_driver, pair):
     region.close()
 
 
-class _OkSpy(PostSpy):
-    """A :class:`PostSpy` whose posts report success (``UCS_OK``) instead
-    of raising: the operation goes on past its post, as a completed send."""
-
-    def __getattr__(self, name):
-        attr = getattr(self._lib, name)
-        if name not in self._names:
-            return attr
-
-        def post(*args):
-            self._events.append(("post", name, args[self._mt_index]))
-            return 0
-
-        return post
-
-
 @pytest.mark.parametrize(
     "module, names, mt_index, send",
     [
@@ -907,7 +899,9 @@ def test_device_sends_look_up_their_protocol_once(
     memory (no host send has a slow path by its rules)."""
     arr = np.arange(32, dtype=np.uint8)
     events = _setup_fake(fake_driver, pair, monkeypatch, arr, polls=0)
-    monkeypatch.setattr(module, "lib", _OkSpy(module.lib, names, events, mt_index))
+    monkeypatch.setattr(
+        module, "lib", PostSpy(module.lib, names, events, mt_index, returns=0)
+    )
     looked = []
 
     def first_use(ep, op, bit, *args):
