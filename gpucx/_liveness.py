@@ -232,19 +232,28 @@ def _close_keys(worker, ep) -> None:
     ep._close_children()
 
 
+def free_parked_keys(worker, closing: bool = False) -> None:
+    """Free the remote keys closed while parked operations held them
+    (``worker._parked_keys``) whose operations UCX has let go of.  With
+    ``closing`` (the worker's close, before ``ucp_worker_destroy``) every
+    entry goes: one UCX still uses is left to the worker's destruction,
+    never freed under UCX."""
+    keys = worker._parked_keys
+    left = []
+    for rkey_h, slots in keys:
+        if all(s.status != INPROGRESS for s in slots):
+            lib.gpucx_rkey_destroy(rkey_h)
+        elif not closing:
+            left.append((rkey_h, slots))
+    keys[:] = left
+
+
 def sweep_parked(worker) -> None:
     """Free parked slots UCX has let go of (their buffers go with them), and
     the remote keys closed while such operations held them, once UCX let
-    go of every one."""
-    keys = worker._parked_keys
-    if keys:
-        left = []
-        for rkey_h, slots in keys:
-            if any(s.status == INPROGRESS for s in slots):
-                left.append((rkey_h, slots))
-            else:
-                lib.gpucx_rkey_destroy(rkey_h)
-        keys[:] = left
+    go of every one (before their slots are released)."""
+    if worker._parked_keys:
+        free_parked_keys(worker)
     parked = worker._parked
     if parked and any(s.status != INPROGRESS for s, _ in parked):
         keep = []

@@ -421,12 +421,7 @@ class Worker(Handle):
         for req in list(self._pending):
             if req._slot.status != INPROGRESS:
                 req._complete()
-        for rkey_h, slots in self._parked_keys:
-            if all(s.status != INPROGRESS for s in slots):
-                lib.gpucx_rkey_destroy(rkey_h)
-            # else UCX still holds an operation using it: the worker's
-            # destruction takes the key with it, never freed under UCX.
-        self._parked_keys.clear()
+        _live.free_parked_keys(self, closing=True)
         for slot, _keep in self._parked:
             lib.gpucx_slot_release(slot)
         _am.detach(self)
