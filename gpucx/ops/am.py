@@ -1002,15 +1002,13 @@ def _recv_target(worker, buf, stream, what: str):
     none is, its producer stream and ``stream`` are waited for): UCX
     writes it later, inside progress."""
     ptr, n, mt, keep = acquire(buf, True, stream, True)
-    if mt != _HOST:
-        if mt not in _CUDA_TYPES:
-            raise UnsupportedError(
-                f"{what}: posted receives take host or CUDA memory, not "
-                f"{_memtype_name(mt)} memory"
-            )
+    if mt != _HOST and mt not in _CUDA_TYPES:
+        raise UnsupportedError(
+            f"{what}: posted receives take host or CUDA memory, not "
+            f"{_memtype_name(mt)} memory"
+        )
+    if mt != _HOST or stream is not None:
         _cuda.ready(worker, ptr, mt, stream, _RECV, keep)
-    elif stream is not None:
-        _cuda.ready(worker, ptr, mt, stream, _RECV)
     return ptr, n, mt, keep
 
 
