@@ -244,7 +244,9 @@ def test_request_protocol_while_in_flight():
 def test_slow_warning_fires_once(monkeypatch):
     """The warning machinery, on this host's real emulated gets: the rule
     is widened to flag host-to-host emulation (not slow by itself, see
-    test_slow_rule) so that a machine without a GPU can take the path."""
+    test_slow_rule), and the keys are marked as not host keys (the gate a
+    key to device memory opens: host-to-host puts and gets skip the check),
+    so that a machine without a GPU can take the path."""
     monkeypatch.setattr(P, "_warned", set())
     rule = P.is_slow
 
@@ -260,6 +262,7 @@ def test_slow_warning_fires_once(monkeypatch):
         ab = a.connect(b.address)  # peer error handling: UCX emulates gets
         dst = np.zeros(1 << 20, np.uint8)
         rkey = ab.unpack(ctx.register(dst).remote())
+        rkey._host = False
         buf = np.ones(1 << 20, np.uint8)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -276,6 +279,7 @@ def test_slow_warning_fires_once(monkeypatch):
         # A second endpoint of the same configuration: not again.
         ab2 = a.connect(b.address)
         rkey2 = ab2.unpack(ctx.register(dst).remote())
+        rkey2._host = False
         with warnings.catch_warnings(record=True) as again:
             warnings.simplefilter("always")
             _drive(a, b, ab2.get_nb(buf, rkey2))

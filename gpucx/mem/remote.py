@@ -440,6 +440,11 @@ class RemoteKey(Handle):
         self._base = remote.address
         self._size = remote.nbytes
         self._readonly = remote.readonly
+        # Host memory on the owner's side (read on each op): gpucx's own
+        # path never serves such a key, and from host memory no protocol
+        # to it is a slow path (gpucx.protocols.is_slow), so the host-to-
+        # host put/get looks at neither.
+        self._host = remote.memory_type == MemoryType.HOST
         #: gpucx's own path (gpucx.mem.ipc): "unopened", the Mapping once
         #: opened, or why the path is not taken.
         self._ipc: object = (

@@ -223,8 +223,7 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
     w = ep._w
     note = _notify_bytes(notify, w)
-    state = rkey._ipc
-    if type(state) is not str or state == _UNOPENED:
+    if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         m = _own.route(ep, rkey, mt, ptr, False)
         if m is not None:
             return _own.post(
@@ -290,8 +289,7 @@ def _post_wait(
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
-    state = rkey._ipc
-    if type(state) is not str or state == _UNOPENED:
+    if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         # gpucx's own same-host path (gpucx.ops.ipc), when it applies.
         m = _own.route(ep, rkey, mt, ptr, is_get)
         if m is not None:
@@ -305,7 +303,9 @@ def _post_wait(
         with _cuda.door(w, ptr, mt, stream, what, keep):
             slot = _sync_slot(w)
             st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
-    if not (ep._proto_seen >> (mt * 2 + is_get)) & 1:
+    if (mt != _HOST or not rkey._host) and not (
+        ep._proto_seen >> (mt * 2 + is_get)
+    ) & 1:
         _check_protocol(
             ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
         )
@@ -338,8 +338,7 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     w = ep._w
-    state = rkey._ipc
-    if type(state) is not str or state == _UNOPENED:
+    if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         m = _own.route(ep, rkey, mt, ptr, is_get)
         if m is not None:
             return _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
@@ -351,7 +350,9 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
             slot = _sync_slot(w)
             st = post(h, ptr, n, raddr, rkey._h, mt, slot)
     req = posted(w, slot, st, (keep, rkey), what, ep)
-    if not (ep._proto_seen >> (mt * 2 + is_get)) & 1:
+    if (mt != _HOST or not rkey._host) and not (
+        ep._proto_seen >> (mt * 2 + is_get)
+    ) & 1:
         _check_protocol(
             ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
         )
