@@ -40,6 +40,8 @@ from ..mem.memtype import MemoryType
 from ..request import wait_for
 from . import am as _am
 
+_MANAGED = int(MemoryType.CUDA_MANAGED)
+
 __all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
 
 #: Version of the array header written by this gpucx.
@@ -310,10 +312,17 @@ def _pop(q, key, pending, am) -> None:
         del q[key]
 
 
-def _default_allocator(nbytes: int, memory_type: int, device: int | None = None):
+def _default_allocator(
+    nbytes: int, memory_type: int, device: int | None = None, dtype=None, shape=None
+):
+    """NumPy memory for host data, CuPy memory for CUDA data.  Given
+    ``dtype`` and ``shape``, the array itself in that dtype and shape (one
+    allocation, nothing to view afterwards); else ``nbytes`` flat bytes."""
     if memory_type == _HOST:
         import numpy as np
 
+        if dtype is not None:
+            return np.empty(shape, dtype)
         return np.empty(nbytes, np.uint8)
     if memory_type in _CUDA_INTS:
         try:
@@ -324,11 +333,11 @@ def _default_allocator(nbytes: int, memory_type: int, device: int | None = None)
                 "installed (install cupy or pass allocator=)"
             ) from None
         try:
+            if device is None:
+                # The current device: no Device switch (a few us per array).
+                return _cupy_empty(cupy, nbytes, memory_type, dtype, shape)
             with cupy.cuda.Device(device):
-                if memory_type == int(MemoryType.CUDA_MANAGED):
-                    mem = cupy.cuda.malloc_managed(max(nbytes, 1))
-                    return cupy.ndarray((nbytes,), cupy.uint8, mem)
-                return cupy.empty(nbytes, cupy.uint8)
+                return _cupy_empty(cupy, nbytes, memory_type, dtype, shape)
         except Exception as exc:
             raise UnsupportedError(
                 f"recv_array: cannot allocate CUDA memory here ({exc}); pass allocator="
@@ -337,6 +346,15 @@ def _default_allocator(nbytes: int, memory_type: int, device: int | None = None)
         f"recv_array: no allocator for memory type {MemoryType(memory_type).name}; "
         "pass allocator="
     )
+
+
+def _cupy_empty(cupy, nbytes: int, memory_type: int, dtype, shape):
+    if memory_type == int(MemoryType.CUDA_MANAGED):
+        mem = cupy.cuda.malloc_managed(max(nbytes, 1))
+        return cupy.ndarray((nbytes,), cupy.uint8, mem)
+    if dtype is not None:
+        return cupy.empty(shape, dtype)
+    return cupy.empty(nbytes, cupy.uint8)
 
 
 def _as_array(raw, typestr, shape, memory_type, nbytes):
@@ -500,8 +518,14 @@ def recv_array(
     except ValueError as exc:
         _discard(q, key, pending, am)
         raise ValueError(f"recv_array: malformed array message: {exc}") from None
+    # The default allocator makes the array itself where it can (host and
+    # CUDA device memory in a native byte order): no views to build after.
+    shaped = allocator is None and dtype.isnative and memtype != _MANAGED
     try:
-        raw = _allocate(allocator, nbytes, memtype, device)
+        if shaped:
+            raw = _default_allocator(nbytes, memtype, device, dtype, shape)
+        else:
+            raw = _allocate(allocator, nbytes, memtype, device)
     except MemoryError as exc:
         # Never retried into a wedge: the message goes, the next array comes.
         _discard(q, key, pending, am)
@@ -512,7 +536,7 @@ def recv_array(
     # Posting first: a receive that cannot start leaves the message queued.
     req = msg.receive_into(raw, stream=stream)
     _pop(q, key, pending, am)
-    out = _as_array(raw, dtype, shape, memtype, nbytes)
+    out = raw if shaped else _as_array(raw, dtype, shape, memtype, nbytes)
     # The array is here: give its transfer at least a second.
     rest = None if deadline is None else max(1.0, deadline - time.monotonic())
     req.wait(rest)
