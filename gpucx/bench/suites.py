@@ -203,6 +203,9 @@ class Bench:
     fixed_sizes: tuple[int, ...] | None = None
     #: What the latency figure means (for the table's notes).
     latency_note = "one-way (half a round trip)"
+    #: The API the test always measures, whatever ``--api`` says (None:
+    #: the one ``--api`` names).
+    fixed_api: str | None = None
     #: Context features the serving side needs for this test
     #: (``gpucx bench --server`` enables only those of the tests it serves).
     features: frozenset[str] = frozenset({"tag"})
@@ -950,11 +953,15 @@ class FaddLat(_RmaBase):
 
 
 class ArrayBw(Bench):
+    """``send_array_nb`` with ``--window`` arrays in flight against blocking
+    ``recv_array``: the Python API both ways (there is no C loop)."""
+
     features = frozenset({"tag", "am"})
     protocol_op = "am"
     name = "array_bw"
     kind = "bw"
     perftest = None
+    fixed_api = "python"
     latency_note = "time per array"
 
     def serve(self) -> None:
@@ -962,10 +969,16 @@ class ArrayBw(Bench):
         self.serve_phases(lambda: ep.recv_array(timeout=t))
 
     def _phase(self, n: int) -> int:
-        ep = self.s.ep
+        ep, t, arr = self.s.ep, self.p.timeout, self.arr
+        window = max(1, self.p.window)
+        reqs: collections.deque = collections.deque()
         t0 = _perf_ns()
         for _ in range(n):
-            ep.send_array(self.arr)
+            if len(reqs) >= window:
+                reqs.popleft().wait(t)
+            reqs.append(ep.send_array_nb(arr))
+        for r in reqs:
+            r.wait(t)
         self.ack_recv()
         return _perf_ns() - t0
 
