@@ -41,6 +41,7 @@ from ..request import wait_for
 from . import am as _am
 
 _MANAGED = int(MemoryType.CUDA_MANAGED)
+_CUDA = int(MemoryType.CUDA)
 
 __all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
 
@@ -52,7 +53,7 @@ _MAX_NDIM = 64
 
 
 def _describe(arr):
-    """(contiguous object to send, dtype str, shape, byte order)."""
+    """(contiguous object to send, dtype str, shape, device array?)."""
     cai = getattr(arr, "__cuda_array_interface__", None)
     if cai is not None:
         shape = tuple(int(s) for s in cai["shape"])
@@ -72,7 +73,7 @@ def _describe(arr):
                     f"(shape {shape}, strides {tuple(strides)}); send a "
                     "contiguous copy (e.g. cupy.ascontiguousarray)"
                 )
-        return arr, typestr, shape
+        return arr, typestr, shape, True
     import numpy as np
 
     a = arr if isinstance(arr, np.ndarray) else np.asarray(arr)
@@ -86,7 +87,7 @@ def _describe(arr):
     if not a.flags.c_contiguous:
         # Send a C-ordered copy: the receiver rebuilds C order, never strides.
         a = np.ascontiguousarray(a)
-    return a, a.dtype.str, a.shape
+    return a, a.dtype.str, a.shape, False
 
 
 def _pack(typestr: str, shape, memtype: int) -> bytes:
@@ -187,7 +188,12 @@ def parse_header(header: bytes, nbytes: int):
 def _prepare(ep, arr):
     if ep._h is None:
         raise_closed(ep)
-    obj, typestr, shape = _describe(arr)
+    obj, typestr, shape, device = _describe(arr)
+    if device:
+        # CAI memory is CUDA memory to the header (as for as_buffer, which
+        # cannot tell managed memory without the driver); the send's door
+        # checks it, and waits for the producer stream, once.
+        return obj, _pack(typestr, shape, _CUDA)
     # The memory type only: the producer stream is waited for once, in the
     # send's CUDA door (as_buffer would wait here too, with driver calls of
     # its own).
