@@ -133,6 +133,18 @@ def test_alloc_ucx_maps_with_the_context():
         alloc("ucx", 10)
 
 
+def test_alloc_ucx_for_a_gpu_peer_on_a_host_without_cuda():
+    """Facing a GPU peer, ``ucx`` memory is mapped with a CUDA context
+    current where this host can move CUDA memory (tests/test_cuda.py checks
+    that it is pinned); without CUDA it is mapped as always."""
+    with gpucx.Context(config={"TLS": "self,sm,tcp"}) as ctx:
+        assert not ctx.cuda_available
+        a = alloc("ucx", 4096, fill=3, ctx=ctx, gpu_peer=True)
+        assert a.nbytes == 4096 and int(a.sum()) == 3 * 4096
+        regions = [r for r in ctx._children if isinstance(r, gpucx.MemoryRegion)]
+        assert any(r.address == a.ctypes.data for r in regions)
+
+
 def test_alloc_reg_registers_numpy_memory_with_the_context():
     with gpucx.Context() as ctx:
         a = alloc("reg", 4096, fill=7, ctx=ctx)

@@ -728,7 +728,7 @@ def _bench(*args):
     )
 
 
-@pytest.mark.parametrize("memory", ["cuda", "host:cuda"])
+@pytest.mark.parametrize("memory", ["cuda", "host:cuda", "ucx:cuda"])
 def test_bench_cuda_vs_perftest(tmp_path, memory):
     out = tmp_path / "bench.json"
     p = _bench(
@@ -744,13 +744,27 @@ def test_bench_cuda_vs_perftest(tmp_path, memory):
         assert r["ratio"] > 0
         # The machine's copy beside each row (gpucx.bench.limits).
         limit = r["limit"]
-        assert limit["kind"] == ("d2d" if memory == "cuda" else "h2d_pageable")
+        kinds = {"cuda": "d2d", "host:cuda": "h2d_pageable", "ucx:cuda": "h2d_pinned"}
+        assert limit["kind"] == kinds[memory]
         assert limit["gbps"] > 0 and limit["fraction"] > 0
-        if memory != "cuda":
+        if memory == "host:cuda":
             assert limit["pinned"]["kind"] == "h2d_pinned"
             assert limit["pinned"]["gbps"] > 0
     assert "of limit" in p.stdout
     print(p.stdout)  # the figures, for benchmarks/RESULTS.md (pytest -s)
+
+
+def test_bench_ucx_memory_beside_a_gpu_is_pinned(cupy):
+    """The bench's ``ucx`` memory facing a GPU is mapped with a CUDA context
+    current, so UCX pins it (``ucx_perftest``'s host memory is); facing host
+    memory it is plain UCX-mapped memory."""
+    from gpucx.bench.memory import alloc
+
+    host = getattr(cupy.cuda.runtime, "memoryTypeHost", 1)  # cudaMemoryTypeHost
+    with gpucx.Context() as ctx:
+        pinned = alloc("ucx", 1 << 20, 0, 0, ctx, gpu_peer=True)
+        attrs = cupy.cuda.runtime.pointerGetAttributes(pinned.ctypes.data)
+        assert attrs.type == host
 
 
 def test_copy_limits_on_the_gpu():

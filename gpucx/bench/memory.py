@@ -66,13 +66,30 @@ def cuda_problem(device: int = 0) -> str | None:
     return None
 
 
-def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None):
+def _cuda_current(ctx, device: int) -> None:
+    """Make ``device``'s CUDA context current in this thread where this host
+    can move CUDA memory: UCX's ``cuda_copy`` pins the host memory mapped or
+    registered afterwards only then."""
+    if ctx.cuda_available and cuda_problem(device) is None:
+        import cupy
+
+        cupy.cuda.Device(device).use()
+        cupy.empty(1, cupy.uint8)
+
+
+def alloc(
+    kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None, gpu_peer=False
+):
     """A contiguous ``uint8`` array of ``nbytes`` in ``kind`` memory.
 
     For ``ucx`` memory, ``ctx`` (a :class:`gpucx.Context`) maps it; for
     ``reg`` memory it registers a NumPy array, with ``device``'s CUDA context
     initialised first when this host can move CUDA memory (so that UCX pins
-    it); either region stays until the context closes.
+    it); either region stays until the context closes.  ``gpu_peer``: the
+    other side's memory is CUDA memory; ``ucx`` memory is then mapped with
+    the CUDA context current too, as ``ucx_perftest`` maps its host memory
+    in a process that initialised CUDA for the other buffer (UCX pins it:
+    host-to-GPU tag runs at the bus's speed rather than about 1 GB/s).
 
     Raises
     ------
@@ -90,16 +107,12 @@ def alloc(kind: str, nbytes: int, device: int = 0, fill: int = 0, ctx=None):
         if ctx is None:
             raise BenchSetupError(f"--memory {kind}: no gpucx.Context to map it with")
         if kind == "ucx":
+            if gpu_peer:
+                _cuda_current(ctx, device)
             region = ctx.allocate(max(nbytes, 1))
             arr = region.as_array(numpy.uint8)[:nbytes]
         else:
-            if ctx.cuda_available and cuda_problem(device) is None:
-                import cupy
-
-                # UCX's cuda_copy pins host memory only in a thread whose
-                # CUDA context is current.
-                cupy.cuda.Device(device).use()
-                cupy.empty(1, cupy.uint8)
+            _cuda_current(ctx, device)
             arr = numpy.empty(max(nbytes, 1), numpy.uint8)
             region = ctx.register(arr)
             arr = arr[:nbytes]

@@ -254,7 +254,10 @@ class Bench:
 
     # helpers
     def buffer(self, fill: int = 0):
-        return alloc(self.mem, self.p.size, self.s.device, fill, self.s.ctx)
+        other = self.p.client_mem if self.server else self.p.server_mem
+        return alloc(
+            self.mem, self.p.size, self.s.device, fill, self.s.ctx, other == "cuda"
+        )
 
     def c_pingpong(self, fn, head: tuple, tail: tuple, rtt) -> None:
         """One run of a C ping-pong loop (``gpucx_bench_*_pingpong``):
