@@ -542,13 +542,16 @@ def _remember(ep, row, remote_memory: str):
     return row
 
 
-def probe_nb(ep, op: str, buf, rkey, offset: int = 0):
+def probe_nb(ep, op: str, buf, rkey, offset: int = 0, *, ucx: bool = False):
     """Start one put (``op="put"``: ``buf`` into the remote region) or get
     (``"get"``: the region into ``buf``) and return ``(request, protocol)``:
     the :class:`Protocol` UCX selected for it (``ucp_request_query`` on a
     request posted with ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL``, so that UCX
     reports even an operation it could finish at once), None if UCX gave
     no info string.  The answer is also remembered for :func:`protocol`.
+    Where gpucx's own path takes the operation, it is posted there and its
+    row returned; ``ucx=True`` posts it to UCX all the same (the row of
+    what code posting to UCX directly, such as the bench's C loops, gets).
 
     This moves data like :meth:`Endpoint.put_nb` / :meth:`Endpoint.get_nb`.
 
@@ -570,7 +573,7 @@ def probe_nb(ep, op: str, buf, rkey, offset: int = 0):
     is_get = op == "get"
     h, ptr, n, mt, keep, raddr = _rma._checked(ep, buf, rkey, offset, None, op)
     w = ep._w
-    m = _own.route(ep, rkey, mt, ptr, is_get)
+    m = None if ucx else _own.route(ep, rkey, mt, ptr, is_get)
     if m is not None:  # gpucx's own path: no UCX request to query
         own = _own.post(ep, m, rkey, ptr, n, raddr, is_get, None, keep, op)
         return own, own_path(op, ep, _norm(mt), _norm(rkey.memory_type))
@@ -587,7 +590,7 @@ def probe_nb(ep, op: str, buf, rkey, offset: int = 0):
     return req, _remember(ep, row, _norm(rkey.memory_type))
 
 
-def probe(ep, op: str, buf, rkey, offset: int = 0, *, timeout=None):
+def probe(ep, op: str, buf, rkey, offset: int = 0, *, timeout=None, ucx=False):
     """:func:`probe_nb`, waited for (the peer must progress meanwhile, as
     for any get); returns the protocol.
 
@@ -598,7 +601,7 @@ def probe(ep, op: str, buf, rkey, offset: int = 0, *, timeout=None):
     gpucx.PeerError, gpucx.TimeoutError
         As :meth:`Endpoint.put` / :meth:`Endpoint.get`.
     """
-    req, row = probe_nb(ep, op, buf, rkey, offset)
+    req, row = probe_nb(ep, op, buf, rkey, offset, ucx=ucx)
     req.wait(timeout)
     return row
 

@@ -236,6 +236,25 @@ def test_put_get_host_one_sided_open_once(drv, lib_path, blocking):
         assert key.cuda_ipc == "closed"
 
 
+def test_probe_asked_for_ucx_bypasses_the_own_path(drv, lib_path):
+    """``protocols.probe(..., ucx=True)`` posts to UCX even where gpucx's own
+    path would take the put (the bench's C loops post to UCX directly, and
+    their rows must say what UCX did); without it the own path answers."""
+    from gpucx import protocols
+
+    with session(lib_path) as (q, w, ep, key):
+        src = pattern(1)[:4096]
+        own = protocols.probe(ep, "put", src, key, timeout=30)
+        assert own.description == "gpucx cuda_ipc copy"
+        before = counts(drv)["copies"]
+        row = protocols.probe(ep, "put", src, key, 8192, timeout=30, ucx=True)
+        assert counts(drv)["copies"] == before  # no copy-engine copy
+        assert row is None or row.source != "gpucx"
+        assert row is None or "cuda_ipc copy" not in row.description
+        ep.flush(timeout=30)
+        assert read(q, 8192, 4096) == bytes(src)  # UCX moved the bytes
+
+
 def test_copy_completes_from_its_event_and_flush_waits(drv, lib_path):
     with session(lib_path) as (q, w, ep, key):
         drv._lib.fake_set_polls(5)  # each event: not ready 5 times

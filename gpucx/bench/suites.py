@@ -813,8 +813,11 @@ class _RmaBase(Bench):
         if self.protocol_op not in ("put", "get"):
             return None
         buf = self.buffer(1)
+        # The C loops post to UCX directly, never on gpucx's own path: their
+        # rows report what UCX does.
+        c_loop = not self.p.use_async and self.p.api == "c"
         return _protocols.probe(
-            self.s.ep, self.protocol_op, buf, rmem, timeout=self.p.timeout
+            self.s.ep, self.protocol_op, buf, rmem, timeout=self.p.timeout, ucx=c_loop
         )
 
 
