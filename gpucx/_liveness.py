@@ -29,9 +29,13 @@ import time
 from contextlib import suppress
 
 from ._address import proc_stat
-from ._lib import lib
+from ._lib import ffi, lib
 from .errors import peer_gone
-from .request import INPROGRESS, new_slot
+
+# Read from UCX here rather than imported from gpucx.request: the request
+# layer sits above this one (it runs these checks from its waits), and an
+# import back up would close a circle (docs/layout.md, "Layers").
+INPROGRESS = lib.UCS_INPROGRESS
 
 #: How long after a peer's death a canceled request that gpucx could not
 #: tie to an endpoint is taken to have been canceled by the death.
@@ -194,7 +198,7 @@ def peer_died(worker, ep, reason: str) -> None:
     force = ep._peer_mode and not worker._multi
     if force:
         pending = [r for r in worker._pending if r._slot.status == INPROGRESS]
-        slot = new_slot()
+        slot = ffi.new("gpucx_slot_t *")
         if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
             worker._park(slot, None)
         else:
