@@ -10,8 +10,9 @@ functions here: each crossing has a name, a docstring and one place to
 change, and ``tests/test_layout.py`` checks that ``gpucx.bench`` touches no
 private attribute of a core object except through this module.
 
-This module imports only ``_lib`` and the request constants, so every layer
-may use it.
+This module imports only ``_lib`` and the request constants (it reaches the
+rest through the objects it is given), so every layer from ``gpucx.mem`` up
+may use it (docs/layout.md, "Layers").
 """
 
 from __future__ import annotations
@@ -64,9 +65,7 @@ def am_recv_registration(worker: Any, am_id: int) -> Any:
     C loops that post receives themselves (``gpucx_bench_am_pingpong``).
     Without a handler for the id, a message that finds no posted receive
     is kept for the next one."""
-    from .ops.am import _recv_reg
-
-    return _recv_reg(worker._am, am_id)
+    return worker._am_recv_registration(am_id)
 
 
 def abandon(obj: Any, reason: str) -> None:

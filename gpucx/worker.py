@@ -376,6 +376,11 @@ class Worker(Handle):
     def _park(self, slot, keep) -> None:
         self._parked.append((slot, keep))
 
+    def _am_recv_registration(self, am_id: int):
+        """The registration posted receives for ``am_id`` go through (made
+        on first use; gpucx._internal.am_recv_registration)."""
+        return _am._recv_reg(self._am, am_id)
+
     def _serve(self) -> None:
         """Progress UCX until it reports nothing more (bounded; no Python
         handlers run): a closing worker serves what its peers already sent
