@@ -32,8 +32,10 @@ from .mem.remote import RemoteKey, RemoteMemory
 from .ops.am import AmMessage
 from .ops.rma import NOTIFY_MAX, Transfer
 from .ops.tag import TAG_MASK_FULL, ProbedMessage
+from .protocols import request_protocol as _request_protocol
 from .request import RecvInfo, Request
 from .request import set_awaiter as _set_awaiter
+from .request import set_protocol_reader as _set_protocol_reader
 from .worker import Worker
 
 __all__ = [
@@ -79,6 +81,9 @@ def _first_await(req):
 
 
 _set_awaiter(_first_await)
+# Request.protocol reads UCX's report through the operations' layer, which
+# the request layer below it does not import (docs/layout.md, "Layers").
+_set_protocol_reader(_request_protocol)
 
 
 def __getattr__(name: str):

@@ -408,11 +408,9 @@ class Request:
         while UCX still holds its request; None once it completed, or for
         an operation that finished when posted or that UCX does not
         describe (receives)."""
-        from . import protocols
-
         if self._state != 0:
             return None
-        return protocols.request_protocol(self._slot, self._ep)
+        return _protocol_reader(self._slot, self._ep)
 
     def _complete(self) -> None:
         """First observation of completion: free the UCX request, settle."""
@@ -557,6 +555,24 @@ def set_awaiter(fn) -> None:
     """
     global _awaiter
     _awaiter = fn
+
+
+def _no_protocol_reader(slot, ep):
+    raise TypeError("gpucx: no protocol reader registered (import gpucx)")
+
+
+#: ``Request.protocol`` returns ``_protocol_reader(slot, ep)``; see
+#: set_protocol_reader.
+_protocol_reader: Any = _no_protocol_reader
+
+
+def set_protocol_reader(fn) -> None:
+    """Make ``fn(slot, ep)`` what :attr:`Request.protocol` reads a request in
+    flight with (``gpucx`` registers :func:`gpucx.protocols.request_protocol`:
+    UCX's protocol reports belong to the operations' layer, above this one).
+    """
+    global _protocol_reader
+    _protocol_reader = fn
 
 
 class _Done(Request):
