@@ -628,6 +628,36 @@ def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
     region.close()
 
 
+def test_key_close_waits_for_the_operations_holding_it_only(pair, monkeypatch):
+    """A key's close asks its worker which pending operations hold that key
+    (gpucx._internal.pending_holding): it never frees the key under one of
+    them, and it does not wait for operations on another key."""
+    from gpucx._internal import pending_holding
+    from gpucx.mem import remote as _remote
+
+    mem, region, key = exported(pair, 1 << 22)
+    _, other_region, other = exported(pair, 64)
+    req = pair.ab.put_nb(pattern(4, 1 << 22), key)  # pair.b is not progressed
+    if req.done():
+        pytest.skip("the put completed without its target here")
+    assert pending_holding(pair.a, key) == [req]
+    assert pending_holding(pair.a, other) == []
+    spy = _DestroySpy(_remote.lib, pair.a, key)
+    monkeypatch.setattr(_remote, "lib", spy)
+    t0 = time.monotonic()
+    other.close(timeout=5)
+    assert time.monotonic() - t0 < 2.5  # not the put's wait
+    assert other.closed and len(spy.calls) == 1  # freed at once
+    key.close(timeout=0.2)  # the target is idle: the put still holds the key
+    assert key.closed and len(spy.calls) == 1  # never freed under the put
+    with background(pair.b):
+        req.wait(10)
+        pair.ab.flush()
+    assert np.array_equal(mem, pattern(4, 1 << 22))
+    region.close()
+    other_region.close()
+
+
 @pytest.mark.parametrize("target_progresses", [True, False])
 def test_worker_close_after_a_key_closed_under_a_parked_put(pair, target_progresses):
     """The worker's close frees a key whose parked put UCX let go of before
