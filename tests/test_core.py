@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import gc
 import os
+import select
 import subprocess
 import sys
+import threading
 import warnings
 
 import numpy as np
@@ -121,14 +123,90 @@ def test_worker_address_is_stable_bytes():
         assert w.fileno() >= 0
 
 
-def test_worker_flush_fence_arm_signal():
+def _readable(fd: int, timeout: float = 0.0) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def test_worker_arm_and_signal():
+    """arm() says whether the event fd may be slept on; signal() wakes it."""
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
-        w.flush()
-        w.fence()
-        w.signal()
         while not w.arm():
             w.progress()
+        assert not _readable(w.fileno())  # armed, nothing happened since
+        w.signal()
+        assert _readable(w.fileno(), 5)  # the signal wakes a sleeper
+        assert not w.arm()  # the signal is an event: progress first
+        while not w.arm():
+            w.progress()
+        assert not _readable(w.fileno())
+
+
+def test_worker_flush_completes_puts_remotely():
+    """A put in flight is in the target's memory once flush returns (flush
+    alone progresses this worker; a thread progresses the target)."""
+    with gpucx.Context() as ctx:
+        w, peer = ctx.create_worker(), ctx.create_worker()
+        ep = w.connect(peer.address)
+        mem = np.zeros(1 << 22, np.uint8)
+        region = ctx.register(mem)
+        key = ep.unpack(region.remote())
+        stop = threading.Event()
+
+        def serve():
+            while not stop.is_set():
+                peer.progress()
+
+        t = threading.Thread(target=serve)
+        req = ep.put_nb(np.full(1 << 22, 7, np.uint8), key)
+        t.start()
+        try:
+            w.flush(timeout=10)
+            assert (mem == 7).all()
+        finally:
+            stop.set()
+            t.join(10)
+        assert req.done() and req.result() is None
+        key.close()
+        region.close()
+
+
+class _FenceSpy:
+    """The extension module as gpucx.worker sees it, with ucp_worker_fence
+    recorded and answering ``status``."""
+
+    def __init__(self, lib):
+        self._lib, self.calls, self.status = lib, [], lib.UCS_OK
+
+    def __getattr__(self, name):
+        if name != "ucp_worker_fence":
+            return getattr(self._lib, name)
+        return lambda h: self.calls.append(h) or self.status
+
+
+def test_worker_fence_asks_ucx_and_checks_its_answer(monkeypatch):
+    from gpucx import worker as _worker
+    from gpucx._internal import handle
+
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        spy = _FenceSpy(_worker.lib)
+        monkeypatch.setattr(_worker, "lib", spy)
+        w.fence()
+        assert spy.calls == [handle(w)]
+        spy.status = spy.UCS_ERR_NO_MEMORY
+        with pytest.raises(gpucx.UCXError, match="ucp_worker_fence") as err:
+            w.fence()
+        assert err.value.status_name == "UCS_ERR_NO_MEMORY"
+
+
+def test_closed_worker_refuses_flush_fence_arm_signal():
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        w.close()
+        for call in (w.flush, w.fence, w.arm, w.signal, w.fileno):
+            with pytest.raises(gpucx.ClosedError):
+                call()
 
 
 # -- lifetime -------------------------------------------------------------------
