@@ -9,8 +9,9 @@ Finds UCX headers and libraries:
   rpath and no ``LD_LIBRARY_PATH`` are needed.
 
 The cdefs come from ``gpucx/_cdefs/*.py`` (one module per UCX header, joined
-in the order of ``_cdefs.MODULES``); the C source is ``_ucx_helpers.c``
-followed by the per-area files in ``C_SOURCES``.
+in the order of ``_cdefs.MODULES``); the C source is one translation unit:
+``_csrc/gpucx.h`` (``C_HEADER``: what the files share), included once at the
+top, then ``_ucx_helpers.c`` and the per-area files in ``C_SOURCES``.
 """
 
 import os
@@ -22,8 +23,12 @@ from cffi import FFI
 HERE = pathlib.Path(__file__).resolve().parent
 CDEFS = HERE / "_cdefs"
 
+# The header every C file shares (records, slot kinds, declarations of
+# functions called before the file defining them), included at the top.
+C_HEADER = "_csrc/gpucx.h"
 # Per-area C helpers appended after _ucx_helpers.c, in this order.  Every one
-# must be there: a missing source is a build error, never skipped.
+# must be there (the header too): a missing source is a build error, never
+# skipped.
 C_SOURCES = ["_ucx_helpers.c"] + [
     f"_csrc/{name}.c"
     for name in (
@@ -44,7 +49,7 @@ C_SOURCES = ["_ucx_helpers.c"] + [
 
 def _check_sources():
     """Fail the build, naming every missing file, if a source is not there."""
-    needed = [HERE / name for name in C_SOURCES] + [CDEFS / "__init__.py"]
+    needed = [HERE / n for n in (C_HEADER, *C_SOURCES)] + [CDEFS / "__init__.py"]
     if needed[-1].is_file():
         order = runpy.run_path(str(needed[-1]))["MODULES"]
         needed += [CDEFS / f"{name}.py" for name in order]
@@ -106,14 +111,18 @@ def build_ffi():
     _check_sources()
     include_dir, lib_dir, prefix = _ucx_location()
     includes, cdef = _load_cdefs()
-    source = includes + "\n".join((HERE / name).read_text() for name in C_SOURCES)
+    header = HERE / C_HEADER
+    source = "\n".join(
+        [includes, f'#include "{header.name}"']
+        + [(HERE / name).read_text() for name in C_SOURCES]
+    )
     ffi = FFI()
     ffi.cdef(cdef)
     extra_link = [f"-Wl,-rpath,{lib_dir}"] if prefix else []
     ffi.set_source(
         "gpucx._ucx",
         source,
-        include_dirs=[include_dir],
+        include_dirs=[include_dir, str(header.parent)],
         library_dirs=[lib_dir],
         libraries=["ucp", "ucs"],
         define_macros=[

@@ -1,9 +1,11 @@
 /*
  * gpucx C helpers.
  *
- * The shared part: records, status names, completion callbacks, slots,
- * progress and waits, the context.  The builder appends the per-area files
- * after it (_csrc/worker.c, ep.c, tag.c, am.c, ...: _build_ucx.C_SOURCES).
+ * The shared part: queue accounting, status names, completion callbacks,
+ * slots, progress and waits, the context.  The records, slot kinds and
+ * declarations every file shares are in _csrc/gpucx.h, included before
+ * this file; the builder appends the per-area files after it
+ * (_csrc/worker.c, ep.c, tag.c, am.c, ...: _build_ucx.C_SOURCES).
  * Everything that runs inside ucp_worker_progress() lives in these files:
  * completion callbacks record status, length and tag into a gpucx_slot_t,
  * the endpoint-error callback into the endpoint's state and the
@@ -14,90 +16,8 @@
  * posts an operation, and the fused *_wait helpers post and progress in one
  * crossing for the blocking API.
  */
-#include <ucp/api/ucp.h>
-#include <ucs/type/status.h>
-#include <arpa/inet.h>
-#include <errno.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <limits.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <time.h>
 
-#define GPUCX_MIN_UCX UCP_VERSION(1, 20)
-
-#if UCP_API_VERSION < GPUCX_MIN_UCX
-#error "gpucx needs UCX >= 1.20 headers (libucx-cu12 >= 1.20)"
-#endif
-
-#define GPUCX_CONNQ_CAP 256
-
-/* ---- records shared with Python --------------------------------------- */
-
-typedef struct gpucx_slot {
-    ucs_status_t        status; /* UCS_INPROGRESS while UCX owns the op */
-    int                 kind;   /* free for the Python side */
-    void               *req;    /* UCX request handle while pending */
-    ucp_tag_recv_info_t info;   /* UCX writes tag receive info here */
-    uint64_t            tag;    /* tag receives: sender tag */
-    size_t              length; /* receives: bytes received */
-    uint64_t            value;  /* atomics: fetched value */
-} gpucx_slot_t;
-
-struct gpucx_worker_state;
-
-typedef struct gpucx_ep_state {
-    ucs_status_t               error; /* UCS_OK until UCX reports a failure */
-    ucp_ep_h                   ep;
-    struct gpucx_worker_state *worker;
-} gpucx_ep_state_t;
-
-struct gpucx_amo_emu;
-struct gpucx_am_state;
-struct gpucx_qstat;
-
-typedef struct gpucx_worker_state {
-    ucp_worker_h       worker;
-    int                efd;
-    /* gpucx's atomics over active messages (atomic.c), or NULL. */
-    struct gpucx_amo_emu *amo;
-    /* What gpucx_progress looks at after progress (am.c): the handler
-     * queue, and the notification queue's counters while Python has a
-     * notification handler (else NULL). */
-    struct gpucx_am_state     *am;
-    const struct gpucx_qstat *notify;
-} gpucx_worker_state_t;
-
-/* The connection-request ring has one producer (the UCX callback, inside
- * ucp_worker_progress, which a ProgressThread may run) and one consumer
- * side (Python after progress, maybe several threads of a "multi"
- * worker).  tail is written by the producer only, head by consumers with a
- * CAS; release stores pair with acquire loads on the other side, so an
- * entry is complete before a consumer sees it and taken before the
- * producer reuses it. */
-typedef struct gpucx_listener_state {
-    ucp_listener_h     listener;
-    unsigned           head; /* consumers (CAS) */
-    unsigned           tail; /* the producer */
-    ucp_conn_request_h q[GPUCX_CONNQ_CAP];
-} gpucx_listener_state_t;
-
-/* Accounting of one queue a peer can fill (kept AM messages, the handler
- * queue, notifications): what it holds now, its caps and what the caps
- * dropped.  Guarded by the lock of the queue it describes. */
-typedef struct gpucx_qstat {
-    size_t   count;
-    size_t   bytes;
-    size_t   max_count;     /* SIZE_MAX: no cap */
-    size_t   max_bytes;     /* SIZE_MAX: no cap */
-    uint64_t dropped;
-    uint64_t dropped_bytes;
-} gpucx_qstat_t;
+/* ---- queue accounting --------------------------------------------------- */
 
 /* Set the caps of s (0: no cap) and clear its counters. */
 static void gpucx_qstat_init(gpucx_qstat_t *s, size_t max_count, size_t max_bytes)
@@ -217,9 +137,6 @@ static void gpucx__tag_recv_cb(void *request, ucs_status_t status,
     slot->status = status;
 }
 
-static void gpucx__amo_ep_failed(struct gpucx_amo_emu *emu, ucp_ep_h ep,
-                                 ucs_status_t status);
-
 static void gpucx__ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 {
     gpucx_ep_state_t     *st = (gpucx_ep_state_t *)arg;
@@ -295,22 +212,14 @@ static ucs_status_t gpucx_slot_release(gpucx_slot_t *slot)
     return slot->status;
 }
 
-struct gpucx_am_reg;
-struct gpucx_am_group;
-static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
-static void gpucx__am_unpost_group(struct gpucx_am_group *g);
-/* A slot of an atomic gpucx runs over active messages (atomic.c). */
-#define GPUCX_SLOT_AMO_EMU 4
-static void gpucx__amo_emu_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
-
 static ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot)
 {
     if (slot->status == UCS_INPROGRESS && slot->req != NULL) {
         ucp_request_cancel(worker, slot->req);
-    } else if (slot->status == UCS_INPROGRESS && slot->kind == 2) {
+    } else if (slot->status == UCS_INPROGRESS && slot->kind == GPUCX_SLOT_AM_POSTED) {
         /* A posted AM receive no message matched yet (am.c). */
         gpucx__am_unpost((struct gpucx_am_reg *)(uintptr_t)slot->value, slot);
-    } else if (slot->status == UCS_INPROGRESS && slot->kind == 3) {
+    } else if (slot->status == UCS_INPROGRESS && slot->kind == GPUCX_SLOT_AM_GROUP) {
         /* Receives posted as a group (am.c): the slot opens the group. */
         gpucx__am_unpost_group((struct gpucx_am_group *)slot);
     } else if (slot->status == UCS_INPROGRESS &&
@@ -334,13 +243,6 @@ static inline void gpucx__param_init(ucp_request_param_t *p, gpucx_slot_t *slot,
 }
 
 /* ---- progress and waiting ---------------------------------------------- */
-
-/* What gpucx_wait_due returns when it stopped because Python has work due
- * (gpucx_due), the slot still in progress.  Not a UCX status, nor
- * GPUCX_PEER_EXITED. */
-#define GPUCX_WAIT_DUE 3
-
-static unsigned gpucx_due(const gpucx_worker_state_t *w); /* am.c */
 
 /* Progress until the slot completes or spin_ns pass, or (due not NULL)
  * until Python has work due on that worker state (GPUCX_WAIT_DUE); frees
@@ -409,11 +311,6 @@ static inline ucs_status_t gpucx__wait_posted(gpucx_worker_state_t *ws,
     st = gpucx_wait_due(ws, slot, spin_ns);
     return st == (ucs_status_t)GPUCX_WAIT_DUE ? UCS_INPROGRESS : st;
 }
-
-/* What gpucx_wait_sleep returns (and, negated, gpucx_worker_sleep) when
- * the peers' fd woke it: a local peer the worker watches exited.  Not a
- * UCX status (those are UCS_OK, UCS_INPROGRESS and negative errors). */
-#define GPUCX_PEER_EXITED 2
 
 /* Sleep on the worker's event fd until something happens or timeout_ms pass
  * (-1 = forever), without holding the GIL (cffi releases it).  pfd, when

@@ -443,6 +443,21 @@ def test_reach_finder_sees_a_reach(tmp_path: pathlib.Path) -> None:
     assert [h.rpartition(": ")[2] for h in hits] == ["w._h", "getattr(w, '_efd')"]
 
 
+# -- C ------------------------------------------------------------------------------
+
+
+def test_c_slot_kinds_are_named() -> None:
+    # slot->kind takes the names of gpucx_slot_kind_t (gpucx/_csrc/gpucx.h):
+    # a bare number means one thing in one file and another in the next.
+    bare = [
+        f"{path.name}:{n}: {line.strip()}"
+        for path in [ROOT / "_ucx_helpers.c", *sorted((ROOT / "_csrc").glob("*.c"))]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bkind\s*(==|!=|=)\s*\d", line)
+    ]
+    assert not bare, "use the GPUCX_SLOT_* names:\n" + "\n".join(bare)
+
+
 # -- one wait loop ----------------------------------------------------------------
 
 # The C calls that sleep on a worker's event fd, and where they may be called:

@@ -133,23 +133,11 @@ typedef struct gpucx_am_reg {
     gpucx_am_pool_t  *pool;  /* NULL: rendezvous payloads wait at the sender */
 } gpucx_am_reg_t;
 
-/* What gpucx_am_post_mt and gpucx_am_post_group return when a kept eager
- * message must be copied into a device buffer by Python (see
- * gpucx_am_post_t).  Not a UCX status, nor GPUCX_WAIT_DUE. */
-#define GPUCX_AM_COPY_IN 5
-
 /* Whether a message may be received into memory of type mt in C now:
  * always for host memory; for device memory, a rendezvous payload or
  * persistent eager data (always the case with UCP_AM_FLAG_PERSISTENT_DATA),
  * which ucp_am_recv_data_nbx unpacks. */
 #define GPUCX__AM_HOST(mt) ((mt) == UCS_MEMORY_TYPE_HOST)
-
-/* slot->kind of a posted AM receive not yet matched (slot->value holds its
- * gpucx_am_reg_t *), for gpucx_slot_cancel. */
-#define GPUCX_SLOT_AM_POSTED 2
-/* slot->kind of a group's slot while members are pending (the slot is the
- * first member of its gpucx_am_group_t). */
-#define GPUCX_SLOT_AM_GROUP 3
 
 /* A member of g finished with status (state lock held). */
 static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
@@ -161,7 +149,7 @@ static void gpucx__am_member_done(gpucx_am_group_t *g, gpucx_slot_t *m,
         g->slot.length = m->length; /* the message size of a truncation */
     }
     if (--g->pending == 0) {
-        g->slot.kind   = 0;
+        g->slot.kind   = GPUCX_SLOT_PLAIN;
         g->slot.status = g->error;
     }
 }
@@ -327,7 +315,7 @@ static ucs_status_t gpucx__am_deliver(gpucx_am_reg_t *reg, void *data,
     if (reg->phead == reg->ptail) {
         reg->phead = reg->ptail = 0;
     }
-    p.slot->kind = 0;
+    p.slot->kind = GPUCX_SLOT_PLAIN;
     if (p.group != NULL) {
         return gpucx__am_deliver_member(st, &p, data, length, attr);
     }
@@ -735,7 +723,7 @@ static ucs_status_t gpucx__am_take(gpucx_am_state_t *st, gpucx_am_msg_t *m,
 {
     void *desc;
 
-    slot->kind   = 0;
+    slot->kind   = GPUCX_SLOT_PLAIN;
     slot->req    = NULL;
     slot->length = m->length;
     if (m->length > len) {
@@ -811,7 +799,7 @@ static void gpucx_am_member_finish(gpucx_am_group_t *g, gpucx_slot_t *m,
     gpucx_am_state_t *st = g->reg->state;
 
     pthread_mutex_lock(&st->lock);
-    m->kind   = 0;
+    m->kind   = GPUCX_SLOT_PLAIN;
     m->length = length;
     gpucx__am_member_done(g, m, status);
     pthread_mutex_unlock(&st->lock);
@@ -858,7 +846,7 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
         g->slot.req    = NULL;
         g->slot.length = 0;
         if (n == 0) {
-            g->slot.kind   = 0;
+            g->slot.kind   = GPUCX_SLOT_PLAIN;
             g->slot.status = UCS_OK;
             return UCS_OK;
         }
@@ -867,14 +855,14 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
     if (!gpucx__am_posts_reserve(reg, n - i)) {
         if (i == 0) {
             pthread_mutex_unlock(&st->lock);
-            g->slot.kind   = 0;
+            g->slot.kind   = GPUCX_SLOT_PLAIN;
             g->slot.status = UCS_ERR_NO_MEMORY;
             return UCS_ERR_NO_MEMORY;
         }
         /* The members left fail; the group completes once the others do. */
         for (; i < n; i++) {
             members[i].req  = NULL;
-            members[i].kind = 0;
+            members[i].kind = GPUCX_SLOT_PLAIN;
             gpucx__am_member_done(g, &members[i], UCS_ERR_NO_MEMORY);
         }
         pthread_mutex_unlock(&st->lock);
@@ -896,7 +884,7 @@ static ucs_status_t gpucx_am_post_group(gpucx_am_reg_t *reg,
         /* A kept message: this member receives it now. */
         members[i].status = UCS_INPROGRESS;
         members[i].req    = NULL;
-        members[i].kind   = 0;
+        members[i].kind   = GPUCX_SLOT_PLAIN;
         pthread_mutex_unlock(&st->lock);
         if (gpucx__am_to_python(&m, lens[i * step], mt)) {
             *at  = i;
@@ -928,7 +916,7 @@ static void gpucx__am_unpost_group(gpucx_am_group_t *g)
         gpucx_am_post_t *p = &reg->posts[i];
 
         if (p->group == g) {
-            p->slot->kind = 0;
+            p->slot->kind = GPUCX_SLOT_PLAIN;
             gpucx__am_member_done(g, p->slot, UCS_ERR_CANCELED);
         } else {
             reg->posts[j++] = *p;
@@ -952,7 +940,7 @@ static int gpucx__am_unpost(gpucx_am_reg_t *reg, gpucx_slot_t *slot)
             memmove(reg->posts + i, reg->posts + i + 1,
                     (reg->ptail - i - 1) * sizeof(gpucx_am_post_t));
             reg->ptail--;
-            slot->kind   = 0;
+            slot->kind   = GPUCX_SLOT_PLAIN;
             slot->status = UCS_ERR_CANCELED;
             found        = 1;
             break;
@@ -1099,7 +1087,7 @@ static void gpucx_am_unpost_all(gpucx_am_reg_t *reg)
     reg->kq    = NULL;
     reg->khead = reg->ktail = reg->kcap = 0;
     for (i = reg->phead; i < reg->ptail; i++) {
-        reg->posts[i].slot->kind = 0;
+        reg->posts[i].slot->kind = GPUCX_SLOT_PLAIN;
         if (reg->posts[i].group != NULL) {
             gpucx__am_member_done(reg->posts[i].group, reg->posts[i].slot,
                                   UCS_ERR_CANCELED);

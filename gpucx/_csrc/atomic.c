@@ -597,7 +597,7 @@ static ucs_status_t gpucx_atomic(gpucx_worker_state_t *ws, ucp_ep_h ep,
         return gpucx__amo_emu_post(ws->amo, ep, opcode, fetch, operand, swap,
                                    nbytes, raddr - base, base, size, amo);
     }
-    amo->slot.kind = 0;
+    amo->slot.kind = GPUCX_SLOT_PLAIN;
     gpucx__param_init(&p, &amo->slot, -1);
     p.cb.send = gpucx__send_cb;
     p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;

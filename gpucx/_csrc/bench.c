@@ -19,8 +19,8 @@
  * (a rendezvous send to a peer that stopped answering cannot be canceled)
  * stays pending in its slot, and the Python side parks those slots on the
  * worker, which settles them when the endpoint and worker close.  Slots
- * with kind = 1 hold tag receives, GPUCX_SLOT_AM_POSTED posted AM
- * receives.
+ * of kind GPUCX_SLOT_TAG_RECV hold tag receives, GPUCX_SLOT_AM_POSTED posted
+ * AM receives.
  */
 
 /* Check the deadline once every this many progress calls. */
@@ -85,11 +85,12 @@ static ucs_status_t gpucx__bench_wait_all(gpucx_bench_ctl_t *c,
     return st;
 }
 
-/* Whether slot holds a receive: a tag receive (kind 1) or a posted AM
- * receive (gpucx_am_post). */
+/* Whether slot holds a receive: a tag receive or a posted AM receive
+ * (gpucx_am_post). */
 static inline int gpucx__bench_is_recv(const gpucx_slot_t *slot)
 {
-    return slot->kind == 1 || slot->kind == GPUCX_SLOT_AM_POSTED;
+    return slot->kind == GPUCX_SLOT_TAG_RECV ||
+           slot->kind == GPUCX_SLOT_AM_POSTED;
 }
 
 /* Cancel pending receives (sends cannot be canceled reliably) and progress
@@ -156,13 +157,14 @@ typedef struct gpucx_bench_op {
     unsigned   am_id; /* active messages */
 } gpucx_bench_op_t;
 
-/* Post one operation of op into slot (receives get kind = 1, for the
- * abort above). */
+/* Post one operation of op into slot (receives get GPUCX_SLOT_TAG_RECV,
+ * for the abort above). */
 static inline ucs_status_t gpucx__bench_post(gpucx_bench_ctl_t *c,
                                              const gpucx_bench_op_t *op,
                                              gpucx_slot_t *slot)
 {
-    slot->kind = op->what == GPUCX_BENCH_RECV;
+    slot->kind = op->what == GPUCX_BENCH_RECV ? GPUCX_SLOT_TAG_RECV
+                                              : GPUCX_SLOT_PLAIN;
     switch (op->what) {
     case GPUCX_BENCH_SEND:
         return gpucx_tag_send(op->ep, op->buf, op->len, op->tag, op->mt, 0,
@@ -238,7 +240,7 @@ static ucs_status_t gpucx__bench_acked_stream(ucp_worker_h worker,
     nslots = window + 1;
     t0 = gpucx__bench_start(&c, worker, timeout_ns);
     if (send) {
-        slots[window].kind = 1;
+        slots[window].kind = GPUCX_SLOT_TAG_RECV;
         st = gpucx_tag_recv(worker, ack, sizeof(*ack), ack_tag, UINT64_MAX,
                             UCS_MEMORY_TYPE_HOST, &slots[window]);
         if (UCS_STATUS_IS_ERR(st)) {
@@ -310,7 +312,7 @@ static inline ucs_status_t gpucx__bench_pp_recv(ucp_worker_h worker,
     if (reg != NULL) {
         return gpucx_am_post(reg, rbuf, len, slot);
     }
-    slot->kind = 1;
+    slot->kind = GPUCX_SLOT_TAG_RECV;
     return gpucx_tag_recv(worker, rbuf, len, tag, UINT64_MAX, rmt, slot);
 }
 
@@ -321,7 +323,7 @@ static inline ucs_status_t gpucx__bench_pp_send(ucp_ep_h ep, int am,
                                                 size_t len, uint64_t tag,
                                                 gpucx_slot_t *slot)
 {
-    slot->kind = 0;
+    slot->kind = GPUCX_SLOT_PLAIN;
     if (am) {
         return gpucx_am_send(ep, (unsigned)tag, NULL, 0, sbuf, len, smt, 0,
                              slot);
