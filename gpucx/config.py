@@ -95,6 +95,12 @@ GPUCX_OPTIONS: dict[str, float] = {
     # off: UCX serves every put and get); see docs/rma.md.  Also read from
     # the environment.
     "CUDA_IPC_RMA": 1.0,
+    # Seconds within which a peer on another host that stops answering (its
+    # host or link gone, or the peer not taking data) fails the operations
+    # pending on it (0 = UCX's own timeouts); mapped onto UCX options by
+    # peer_timeout_options, docs/reliability.md "Peers on other hosts".
+    # Also read from the environment.
+    "PEER_TIMEOUT": 10.0,
 }
 #: gpucx options whose value must be a whole number.
 GPUCX_INTEGER_OPTIONS = frozenset(
@@ -113,7 +119,7 @@ GPUCX_INTEGER_OPTIONS = frozenset(
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a
 #: ``Context(config=...)`` value wins.
-GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US", "CUDA_IPC_RMA")
+GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US", "CUDA_IPC_RMA", "PEER_TIMEOUT")
 
 
 def _number(name: str, value: object, where: str) -> float:
@@ -222,5 +228,103 @@ def tuned_candidates(options: Mapping[str, str]) -> dict[str, str]:
     return {
         name: value
         for name, (value, _why) in TUNED.items()
+        if name not in options and f"UCX_{name}" not in os.environ
+    }
+
+
+def _ms(seconds: float) -> str:
+    """A UCX time value in whole milliseconds (at least 1)."""
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+#: The UCX option that bounds how long TCP waits for its peer (UCX 1.22 and
+#: later); :func:`peer_timeout_options` builds on it where UCX has it.
+USER_TIMEOUT = "TCP_USER_TIMEOUT"
+
+
+def peer_timeout_options(
+    seconds: float, user_timeout: bool = True
+) -> dict[str, tuple[str, str]]:
+    """The UCX options that make a peer on another host that stops
+    answering fail the operations pending on it within ``seconds``
+    (``GPUCX_PEER_TIMEOUT``), each with why; empty for 0.
+
+    Over TCP, UCX learns of a lost peer only when the kernel gives up on the
+    connection.  Left alone, a side with data in flight waits for the
+    kernel's retransmission limit (``net.ipv4.tcp_retries2``, about 15
+    minutes), and only the side that opened the connection probes it when
+    idle (TCP keepalive after 10 s, then the system's probes: over 20 s);
+    the side that accepted it never notices.  With ``T = seconds``:
+
+    ``user_timeout`` (a UCX with ``TCP_USER_TIMEOUT``, 1.22 and later):
+    ``TCP_USER_TIMEOUT`` = 0.6 T resets a connection whose data stays
+    unacknowledged, or whose peer keeps its receive window shut, that long;
+    ``TCP_KEEPIDLE=inf`` turns the kernel's keepalive off, which makes UCX
+    run its own on TCP (it skips transports with a keepalive of their own):
+    a small message on each endpoint with peer error handling, both sides,
+    every ``KEEPALIVE_INTERVAL`` = 0.2 T (``KEEPALIVE_NUM_EPS=inf``: every
+    endpoint each round), so an idle connection has data in flight within
+    0.2 T of losing its peer and is reset 0.6 T later.
+
+    Otherwise: the kernel's keepalive, sooner (``TCP_KEEPIDLE`` = 0.4 T,
+    ``TCP_KEEPINTVL`` = 0.1 T, ``TCP_KEEPCNT`` = 3, whole seconds): an idle
+    connection is reset after about 0.7 T on the side that opened it.  UCX's
+    keepalive interval is left alone there: its message, sent into a dead
+    link, would stop the kernel's probes.
+    """
+    if seconds <= 0:
+        return {}
+    if user_timeout:
+        return {
+            USER_TIMEOUT: (
+                _ms(0.6 * seconds),
+                "TCP resets a connection whose data stays unacknowledged, or "
+                "whose peer keeps its receive window shut, this long; without "
+                "it a side with data in flight to a lost host waits for the "
+                "kernel's retransmission limit (~15 min)",
+            ),
+            "TCP_KEEPIDLE": (
+                "inf",
+                "no kernel keepalive, so that UCX runs its own on TCP (the "
+                "kernel's runs on the side that opened a connection only)",
+            ),
+            "KEEPALIVE_INTERVAL": (
+                _ms(0.2 * seconds),
+                "UCX's keepalive message on each endpoint with peer error "
+                "handling, this often: an idle connection to a lost host "
+                "gets data in flight, which TCP_USER_TIMEOUT then bounds",
+            ),
+            "KEEPALIVE_NUM_EPS": (
+                "inf",
+                "every endpoint in each keepalive round (UCX's 128 would "
+                "stretch the interval past 128 endpoints)",
+            ),
+        }
+    idle = max(1, round(0.4 * seconds))
+    intvl = max(1, round(0.1 * seconds))
+    count = max(1, round(0.3 * seconds / intvl))
+    return {
+        "TCP_KEEPIDLE": (
+            f"{idle}s",
+            "the kernel probes an idle connection after this long (this UCX "
+            "has no TCP_USER_TIMEOUT: a side with data in flight still waits "
+            "for the kernel's retransmission limit)",
+        ),
+        "TCP_KEEPINTVL": (f"{intvl}s", "between the kernel's keepalive probes"),
+        "TCP_KEEPCNT": (
+            str(count),
+            "unanswered probes before the kernel resets an idle connection",
+        ),
+    }
+
+
+def peer_timeout_candidates(
+    options: Mapping[str, str], seconds: float, user_timeout: bool = True
+) -> dict[str, str]:
+    """The :func:`peer_timeout_options` neither ``options`` (the user's,
+    after :func:`normalize`) nor a ``UCX_*`` environment variable chooses."""
+    return {
+        name: value
+        for name, (value, _why) in peer_timeout_options(seconds, user_timeout).items()
         if name not in options and f"UCX_{name}" not in os.environ
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -13,6 +14,38 @@ from .mem import region as _region
 from .mem.memtype import MemoryType
 
 __all__ = ["Context"]
+
+
+def _peer_timeout(cfg, options: Mapping[str, str], seconds: float) -> dict[str, str]:
+    """Set on ``cfg`` the UCX options of ``GPUCX_PEER_TIMEOUT`` that this
+    UCX knows and nobody chose; return those set.
+
+    Which set depends on whether this UCX has ``TCP_USER_TIMEOUT``
+    (:func:`gpucx.config.peer_timeout_options`): tried first where nobody
+    chose it; taken as there from UCX 1.22 on where somebody did.
+    """
+    from ._lib import UCX_VERSION
+
+    name = _config.USER_TIMEOUT
+    out: dict[str, str] = {}
+    if name in options or f"UCX_{name}" in os.environ:
+        user_timeout = UCX_VERSION >= (1, 22)
+    else:
+        value = _config.peer_timeout_candidates(options, seconds).get(name)
+        user_timeout = False
+        if value is not None:
+            st = lib.ucp_config_modify(cfg, name.encode(), value.encode())
+            user_timeout = st == lib.UCS_OK
+            if user_timeout:
+                out[name] = value
+    for key, value in _config.peer_timeout_candidates(
+        options, seconds, user_timeout
+    ).items():
+        if key in out:
+            continue
+        if lib.ucp_config_modify(cfg, key.encode(), value.encode()) == lib.UCS_OK:
+            out[key] = value
+    return out
 
 
 class Context(Handle):
@@ -36,9 +69,16 @@ class Context(Handle):
         default 5000; both also read from the environment),
         ``GPUCX_MAX_ARRAY_BYTES`` (the largest array, in bytes, that
         ``recv_array`` of this context's workers accepts; default 4 GiB,
-        0 = no limit) and the caps of the queues a peer can fill
+        0 = no limit), the caps of the queues a peer can fill
         (``GPUCX_AM_KEPT_MAX_COUNT`` and the others listed in
-        docs/reliability.md, "Bounded queues").
+        docs/reliability.md, "Bounded queues") and ``GPUCX_PEER_TIMEOUT``
+        (seconds within which a peer on another host that stops answering
+        fails the operations pending on it, default 10, 0 = UCX's own
+        timeouts; also read from the environment; gpucx sets the UCX
+        keepalive and TCP timeout options of
+        ``gpucx.config.peer_timeout_options`` for it, where this UCX knows
+        them and nobody chose them, and lists them in :attr:`tuned`; see
+        docs/reliability.md, "Peers on other hosts").
 
     Raises
     ------
@@ -46,8 +86,9 @@ class Context(Handle):
         For an unknown feature, or a UCX option UCX does not know or whose
         value it rejects (the message names the option), or an unknown or
         negative ``GPUCX_*`` option (or a fractional byte or count cap),
-        or a bad ``GPUCX_SPIN_US`` / ``GPUCX_PEER_CHECK_INTERVAL``
-        environment variable; the message names the option.
+        or a bad ``GPUCX_SPIN_US`` / ``GPUCX_PEER_CHECK_INTERVAL`` /
+        ``GPUCX_PEER_TIMEOUT`` environment variable; the message names the
+        option.
     TypeError
         If ``config`` is not a dict of strings.
     gpucx.UCXError
@@ -81,16 +122,22 @@ class Context(Handle):
                 st = lib.ucp_config_modify(cfg[0], name.encode(), value.encode())
                 if st == lib.UCS_OK:
                     tuned[name] = value
+            tuned.update(_peer_timeout(cfg[0], options, own["PEER_TIMEOUT"]))
             check(lib.gpucx_context_create(cfg[0], mask, b"gpucx", out), "ucp_init")
         finally:
             lib.ucp_config_release(cfg[0])
         self._h = out[0]
         self.features = names
         self.config = options
-        #: The UCX options gpucx set for the GPU paths (``config.TUNED``):
+        #: The UCX options gpucx set, for the GPU paths (``config.TUNED``)
+        #: and for ``GPUCX_PEER_TIMEOUT`` (``config.peer_timeout_options``):
         #: those this UCX knows and neither ``config`` nor the environment
         #: chose.  Not in :attr:`config`, which holds what was asked for.
         self.tuned = tuned
+        #: ``GPUCX_PEER_TIMEOUT``: seconds within which a peer on another
+        #: host that stops answering fails what is pending on it (0 = UCX's
+        #: own timeouts).
+        self.peer_timeout = own["PEER_TIMEOUT"]
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
         self._spin_ns = int(own["SPIN_US"] * 1000)
         #: gpucx's own same-host path for put/get on CUDA regions (ops.ipc).

@@ -97,6 +97,7 @@ def collect() -> dict:
         memory_types = sorted(m.name for m in ctx.memory_types)
         problem = ctx.cuda_problem
         tuned = dict(ctx.tuned)
+        peer_timeout = ctx.peer_timeout
     transports = sorted({t for d in domains for t, _ in d["transports"]})
     cuda_tls = [t for t in transports if t.startswith(("cuda", "gdr"))]
     driver = _cuda_driver()
@@ -118,18 +119,39 @@ def collect() -> dict:
         },
         "ucx_info_error": error,
         "tuned": _tuned(tuned),
+        "peer_timeout": {
+            "seconds": peer_timeout,
+            "options": _peer_timeout(tuned, peer_timeout),
+        },
     }
 
 
 def _tuned(applied: dict[str, str]) -> list[dict]:
     """Each GPU path option of ``config.TUNED``: its value, whether gpucx
     set it here, and why (or why not)."""
-    import os
-
     from .config import TUNED
 
+    return _rows(TUNED, applied)
+
+
+def _peer_timeout(applied: dict[str, str], seconds: float) -> list[dict]:
+    """Each UCX option of ``GPUCX_PEER_TIMEOUT`` (``seconds``), as
+    :func:`_tuned` has them: the set of a UCX with ``TCP_USER_TIMEOUT``
+    (1.22 and later), the kernel keepalive set before
+    (``config.peer_timeout_options``)."""
+    from .config import USER_TIMEOUT, peer_timeout_options
+
+    user_timeout = USER_TIMEOUT in applied or gpucx.UCX_VERSION >= (1, 22)
+    return _rows(peer_timeout_options(seconds, user_timeout), applied)
+
+
+def _rows(table: dict[str, tuple[str, str]], applied: dict[str, str]) -> list[dict]:
+    """One row per option of ``table``: value, whether gpucx set it (it is
+    in ``applied``), its state in words and why."""
+    import os
+
     rows = []
-    for name, (value, why) in TUNED.items():
+    for name, (value, why) in table.items():
         env = os.environ.get(f"UCX_{name}")
         if name in applied:
             state = "set by gpucx"
@@ -182,6 +204,17 @@ def format_info(info: dict) -> str:
             'UCX settings gpucx applies (docs/gpu.md, "Settings gpucx applies")'
         )
         for t in info["tuned"]:
+            lines.append(f"  {t['option']}={t['value']}: {t['state']}")
+            lines.append(f"    {t['why']}")
+    peer = info.get("peer_timeout")
+    if peer is not None:
+        seconds = f"{peer['seconds']:g}"
+        where = 'docs/reliability.md, "Peers on other hosts"'
+        if not peer["options"]:
+            lines.append(f"GPUCX_PEER_TIMEOUT=0: UCX's own timeouts ({where})")
+        else:
+            lines.append(f"UCX settings for GPUCX_PEER_TIMEOUT={seconds} s ({where})")
+        for t in peer["options"]:
             lines.append(f"  {t['option']}={t['value']}: {t['state']}")
             lines.append(f"    {t['why']}")
     lines.append("transports   (transport/device, memory domain)")

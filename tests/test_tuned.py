@@ -110,3 +110,135 @@ def test_info_reports_each_tuned_option():
     assert "UCX settings gpucx applies" in text
     for name, row in rows.items():
         assert f"{name}={row['value']}: {row['state']}" in text
+
+
+# -- GPUCX_PEER_TIMEOUT: UCX's keepalive and TCP timeouts (docs/reliability.md,
+# "Peers on other hosts"; measured across two emulated hosts in test_hosts.py)
+
+_PEER_NAMES = (
+    "TCP_USER_TIMEOUT",
+    "TCP_KEEPIDLE",
+    "KEEPALIVE_INTERVAL",
+    "KEEPALIVE_NUM_EPS",
+    "TCP_KEEPINTVL",
+    "TCP_KEEPCNT",
+)
+
+
+@pytest.fixture
+def no_peer_env(monkeypatch):
+    """No UCX_* choice of the peer timeout options, no GPUCX_PEER_TIMEOUT."""
+    for name in _PEER_NAMES:
+        monkeypatch.delenv(f"UCX_{name}", raising=False)
+    monkeypatch.delenv("GPUCX_PEER_TIMEOUT", raising=False)
+    return monkeypatch
+
+
+def _peer_tuned(ctx) -> dict:
+    return {k: v for k, v in ctx.tuned.items() if k in _PEER_NAMES}
+
+
+def test_peer_timeout_default_maps_onto_ucx_options(no_peer_env):
+    with gpucx.Context() as ctx:
+        assert ctx.peer_timeout == 10.0
+        tuned = _peer_tuned(ctx)
+        for name in tuned:
+            assert name not in ctx.config  # what gpucx tuned stays apart
+    if gpucx.UCX_VERSION >= (1, 22):
+        assert tuned == {
+            "TCP_USER_TIMEOUT": "6000ms",
+            "TCP_KEEPIDLE": "inf",
+            "KEEPALIVE_INTERVAL": "2000ms",
+            "KEEPALIVE_NUM_EPS": "inf",
+        }
+    else:
+        assert tuned == {
+            "TCP_KEEPIDLE": "4s",
+            "TCP_KEEPINTVL": "1s",
+            "TCP_KEEPCNT": "3",
+        }
+
+
+def test_peer_timeout_from_environment_and_config(no_peer_env):
+    no_peer_env.setenv("GPUCX_PEER_TIMEOUT", "3")
+    with gpucx.Context() as ctx:
+        assert ctx.peer_timeout == 3.0
+        if gpucx.UCX_VERSION >= (1, 22):
+            assert ctx.tuned["TCP_USER_TIMEOUT"] == "1800ms"
+            assert ctx.tuned["KEEPALIVE_INTERVAL"] == "600ms"
+    with gpucx.Context(config={"GPUCX_PEER_TIMEOUT": 20}) as ctx:  # config wins
+        assert ctx.peer_timeout == 20.0
+        if gpucx.UCX_VERSION >= (1, 22):
+            assert ctx.tuned["TCP_USER_TIMEOUT"] == "12000ms"
+    with gpucx.Context(config={"GPUCX_PEER_TIMEOUT": 0}) as ctx:
+        assert _peer_tuned(ctx) == {}  # 0: UCX's own timeouts
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "nan", "inf"])
+def test_bad_peer_timeout_names_the_option(no_peer_env, value):
+    no_peer_env.setenv("GPUCX_PEER_TIMEOUT", value)
+    with pytest.raises(ValueError, match="environment variable GPUCX_PEER_TIMEOUT"):
+        gpucx.Context()
+    no_peer_env.delenv("GPUCX_PEER_TIMEOUT")
+    with pytest.raises(ValueError, match="gpucx option 'GPUCX_PEER_TIMEOUT'"):
+        gpucx.Context(config={"GPUCX_PEER_TIMEOUT": value})
+
+
+def test_users_choice_wins_over_peer_timeout(no_peer_env):
+    with gpucx.Context(config={"TCP_KEEPIDLE": "5s"}) as ctx:
+        assert "TCP_KEEPIDLE" not in ctx.tuned
+        assert ctx.config["TCP_KEEPIDLE"] == "5s"
+    if gpucx.UCX_VERSION < (1, 22):
+        return
+    no_peer_env.setenv("UCX_TCP_USER_TIMEOUT", "30s")
+    with gpucx.Context() as ctx:
+        # The user's TCP timeout, with the rest of the set built on it.
+        assert "TCP_USER_TIMEOUT" not in ctx.tuned
+        assert ctx.tuned["KEEPALIVE_INTERVAL"] == "2000ms"
+
+
+def test_ucx_without_user_timeout_gets_the_kernel_keepalive(no_peer_env):
+    """Where UCX has no TCP_USER_TIMEOUT (before 1.22), gpucx sets the
+    kernel's keepalive sooner and leaves UCX's keepalive interval alone."""
+    no_peer_env.setattr(_config, "USER_TIMEOUT", "NO_SUCH_TCP_USER_TIMEOUT")
+    with gpucx.Context() as ctx:
+        assert _peer_tuned(ctx) == {
+            "TCP_KEEPIDLE": "4s",
+            "TCP_KEEPINTVL": "1s",
+            "TCP_KEEPCNT": "3",
+        }
+        assert "NO_SUCH_TCP_USER_TIMEOUT" not in ctx.tuned
+
+
+def test_peer_timeout_options_fit_inside_the_deadline():
+    """The worst case of each set: a keepalive message at most one interval
+    after the peer is lost, then the TCP timeout; or the kernel's probes
+    (whole seconds)."""
+    for seconds in (1, 2.5, 3, 10, 60, 600):
+        opts = _config.peer_timeout_options(seconds)
+        interval = float(opts["KEEPALIVE_INTERVAL"][0][:-2]) / 1000
+        user = float(opts["TCP_USER_TIMEOUT"][0][:-2]) / 1000
+        assert interval + user <= 0.8 * seconds + 1e-9, seconds
+        old = _config.peer_timeout_options(seconds, user_timeout=False)
+        idle, intvl = (float(old[k][0][:-1]) for k in ("TCP_KEEPIDLE", "TCP_KEEPINTVL"))
+        total = idle + int(old["TCP_KEEPCNT"][0]) * intvl
+        assert total <= max(0.75 * seconds, 2), seconds
+    assert _config.peer_timeout_options(0) == {}
+
+
+def test_info_reports_the_peer_timeout_options(no_peer_env):
+    info = collect()
+    peer = info["peer_timeout"]
+    assert peer["seconds"] == 10.0
+    rows = {r["option"]: r for r in peer["options"]}
+    user_timeout = gpucx.UCX_VERSION >= (1, 22)
+    assert set(rows) == set(_config.peer_timeout_options(10, user_timeout))
+    assert all(r["applied"] and r["state"] == "set by gpucx" for r in rows.values())
+    text = format_info(info)
+    assert "UCX settings for GPUCX_PEER_TIMEOUT=10 s" in text
+    for name, row in rows.items():
+        assert f"{name}={row['value']}: set by gpucx" in text
+    no_peer_env.setenv("GPUCX_PEER_TIMEOUT", "0")
+    info = collect()
+    assert info["peer_timeout"]["options"] == []
+    assert "GPUCX_PEER_TIMEOUT=0: UCX's own timeouts" in format_info(info)
