@@ -1,9 +1,13 @@
-"""Two "hosts" on one machine: network namespaces joined by a veth pair.
+"""Two "hosts" on one machine: network namespaces joined through a third.
 
 Each host is a network namespace of its own (``ip netns add``) holding one
 end of a veth pair, with an address on a private /24 that exists only on
 those two interfaces (no route leads anywhere else, and the root namespace
-never sees either end).  A process starts on a host through
+never sees any of them).  The other ends sit in a third namespace, the
+wire, enslaved to a bridge: what the wire does to frames (slows them,
+drops them: :func:`slow_link`, :func:`cut_link`) happens beyond each
+host's kernel, as in a network, so a host's TCP sees loss and not a local
+error.  A process starts on a host through
 ``ip netns exec NS unshare --uts --mount --ipc`` with a fresh tmpfs on
 ``/dev/shm`` and a hostname of its own, so UCX finds no shared memory (no
 POSIX or System V segments, no common hostname) between the two hosts and
@@ -11,10 +15,10 @@ reaches the other one by TCP only.
 
 :func:`make_hosts` is a context manager that always tears down: every
 process it started is killed (process group and anything else left in the
-namespaces), then the namespaces are deleted, which removes the veth pair.
-Names carry the pid of the test run (``gpucx-h<pid>-a``), so parallel runs do
-not clash, and namespaces of this prefix left by a run whose process is gone
-are removed at the next start.
+namespaces), then the namespaces are deleted, which removes the veth pairs
+and the bridge.  Names carry the pid of the test run (``gpucx-h<pid>-a``,
+``-b``, ``-w``), so parallel runs do not clash, and namespaces of this
+prefix left by a run whose process is gone are removed at the next start.
 
 :class:`Peer` talks to a child over its stdin/stdout, one JSON value a line
 (bytes as ``{"b": hex}``), with a timeout on every read: a multiprocessing
@@ -168,6 +172,15 @@ class Peer:
             )
         return line
 
+    def freeze(self) -> None:
+        """Stop the child (SIGSTOP to its process group): alive, its kernel
+        still answering TCP for it, the process not running."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Let a frozen child run again (SIGCONT)."""
+        os.killpg(self.proc.pid, signal.SIGCONT)
+
     def join(self, timeout: float = 30.0) -> None:
         """Wait for a clean exit; fail (the fixture kills it) otherwise."""
         try:
@@ -194,13 +207,17 @@ def decode(obj):
 
 
 class Host:
-    """One emulated host: a network namespace, its veth end and address."""
+    """One emulated host: a network namespace, its end of a veth pair to the
+    wire, and its address."""
 
     def __init__(self, ns: str, ifname: str, address: str, hostname: str):
         self.ns = ns
         self.ifname = ifname
         self.address = address
         self.hostname = hostname
+        #: The wire's namespace and its port towards this host.
+        self.wire_ns = ""
+        self.wire_if = ""
         self.procs: list[subprocess.Popen] = []
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
@@ -238,14 +255,18 @@ class Host:
         self.procs.append(proc)
         return proc
 
-    def python(self, *args: str, label: str | None = None) -> Peer:
-        """A Python child (``python *args``) spoken to through :class:`Peer`."""
+    def python(
+        self, *args: str, label: str | None = None, env: dict | None = None
+    ) -> Peer:
+        """A Python child (``python *args``) spoken to through :class:`Peer`;
+        ``env`` adds to this process's environment."""
         proc = self.popen(
             [sys.executable, "-u", *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             bufsize=1,
+            env=None if env is None else {**os.environ, **env},
         )
         return Peer(proc, label or f"{self.hostname}: {' '.join(args)}")
 
@@ -264,38 +285,85 @@ class Host:
         self.procs.clear()
 
 
+def _tc(ns: str, *args: str, check: bool = True) -> None:
+    _run("ip", "netns", "exec", ns, "tc", "qdisc", *args, check=check)
+
+
+def slow_link(hosts: list[Host], rate: str = "100mbit") -> None:
+    """Limit each direction of the link to ``rate`` (a token bucket on each
+    of the wire's ports), so that a large transfer is still in flight when
+    the test cuts the link."""
+    for h in hosts:
+        _tc(h.wire_ns, "replace", "dev", h.wire_if, "root", "tbf", "rate", rate,
+            "burst", "64kb", "latency", "100ms")  # fmt: skip
+
+
+def cut_link(hosts: list[Host], how: str) -> None:
+    """Lose everything between the hosts, both ways, without telling them.
+
+    ``"drop"``: the wire drops every frame it would pass on (a queue of
+    length 0 on each of its ports), as a network that lost the path does;
+    each host's kernel still sends, successfully, into it.  ``"down"``:
+    the first host's interface goes down (its routes go with it, so its
+    kernel fails every send at once), and the second host sees a host that
+    vanished.  Only the TCP timers of the processes can notice either."""
+    if how == "down":
+        _run("ip", "-n", hosts[0].ns, "link", "set", hosts[0].ifname, "down")
+    elif how == "drop":
+        for h in hosts:
+            _tc(h.wire_ns, "replace", "dev", h.wire_if, "root", "pfifo", "limit", "0")
+    else:
+        raise ValueError(f"how must be 'down' or 'drop', not {how!r}")
+
+
+def mend_link(hosts: list[Host]) -> None:
+    """Undo :func:`cut_link` and :func:`slow_link`: every interface up, no
+    queue discipline of ours left on the wire."""
+    for h in hosts:
+        _tc(h.wire_ns, "del", "dev", h.wire_if, "root", check=False)
+        _run("ip", "-n", h.ns, "link", "set", h.ifname, "up")
+    _wait_up([(h.ns, h.ifname) for h in hosts])
+
+
 @contextlib.contextmanager
 def make_hosts():
-    """Yield two :class:`Host` objects joined by a veth pair on a private
-    /24; always tear down.  Raises :class:`HostsUnavailable` when the
-    namespaces cannot be made."""
+    """Yield two :class:`Host` objects joined through the wire (a bridge in a
+    third namespace) on a private /24; always tear down.  Raises
+    :class:`HostsUnavailable` when the namespaces cannot be made."""
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)
     clean_stale()
     pid = os.getpid()
+    wire = f"{PREFIX}{pid}-w"
+    # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
     hosts = [
-        # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
         Host(
             f"{PREFIX}{pid}-{x}", f"gxh{pid}{x}", f"{SUBNET}.{i + 1}", f"gpucx-host-{x}"
         )
         for i, x in enumerate("ab")
     ]
+    for h in hosts:
+        h.wire_ns, h.wire_if = wire, f"gxw{pid}{h.ifname[-1]}"
+    bridge = f"gxbr{pid}"
     made: list[str] = []
     try:
+        for ns in [h.ns for h in hosts] + [wire]:
+            _kill_ns(ns)  # a leftover of this very run (an earlier test)
+            _run("ip", "netns", "add", ns)
+            made.append(ns)
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        _run("ip", "-n", wire, "link", "add", bridge, "type", "bridge")
+        _run("ip", "-n", wire, "link", "set", bridge, "up")
         for h in hosts:
-            _kill_ns(h.ns)  # a leftover of this very run (an earlier test)
-            _run("ip", "netns", "add", h.ns)
-            made.append(h.ns)
-            _run("ip", "-n", h.ns, "link", "set", "lo", "up")
-        a, b = hosts
-        # Both ends are made inside their namespaces: neither ever exists in
-        # the machine's own namespace.
-        _run(
-            "ip", "link", "add", a.ifname, "netns", a.ns,
-            "type", "veth", "peer", "name", b.ifname, "netns", b.ns,
-        )  # fmt: skip
-        for h in hosts:
+            # Both ends are made inside their namespaces: neither ever exists
+            # in the machine's own namespace.
+            _run(
+                "ip", "link", "add", h.ifname, "netns", h.ns,
+                "type", "veth", "peer", "name", h.wire_if, "netns", wire,
+            )  # fmt: skip
+            _run("ip", "-n", wire, "link", "set", h.wire_if, "master", bridge)
+            _run("ip", "-n", wire, "link", "set", h.wire_if, "up")
             _run("ip", "-n", h.ns, "addr", "add", f"{h.address}/24", "dev", h.ifname)
             _run("ip", "-n", h.ns, "link", "set", h.ifname, "up")
         # A veth end is operationally up (carrier on) a moment after both

@@ -12,7 +12,9 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import select
 import sys
+import time
 
 _out = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # before UCX loads: its log lines go to fd 1
@@ -124,6 +126,182 @@ def user(how: str, host: str) -> None:
         assert np.array_equal(back, arr * 2)
         ep.send(note, tag=40, timeout=TIMEOUT)
         put(["done", ep.transports, ep.local_sockaddr])
+        get()
+
+
+def fd_count(w) -> int:
+    """Open file descriptors once ``w`` has progressed a while (UCX lets go
+    of a closed endpoint's sockets from progress): the fewest seen over its
+    last 0.2 s, since UCX's own thread opens and closes descriptors of its
+    own now and then."""
+    start = time.monotonic()
+    counts = []
+    while time.monotonic() < start + 0.5:
+        w.progress()
+        time.sleep(0.001)
+        if time.monotonic() > start + 0.3:
+            counts.append(len(os.listdir("/proc/self/fd")))
+    return min(counts)
+
+
+def _connect_or_accept(w, side: str, lst, where):
+    if side == "a":
+        return lst.accept(timeout=TIMEOUT)
+    return w.connect(where)
+
+
+def _round_trip(w, ep, side: str) -> None:
+    """One small tag message each way (proves the connection works)."""
+    out = payload(4096, 9)
+    back = np.empty_like(out)
+    req = w.recv_nb(back, tag=60)
+    ep.send(out, tag=60, timeout=TIMEOUT)
+    req.wait(TIMEOUT)
+    assert np.array_equal(back, out)
+
+
+def _outcome(req, since: float):
+    """How a pending request ended: (exception class names, seconds after
+    ``since``)."""
+    try:
+        req.wait(TIMEOUT)
+        names = ["ok"]
+    except gpucx.UCXError as exc:
+        names = [
+            c.__name__ for c in type(exc).__mro__ if c.__module__ == "gpucx.errors"
+        ]
+        names.append(str(exc))
+    return [names, time.monotonic() - since]
+
+
+def pending(side: str, host: str, nbytes: str, ops: str = "all") -> None:
+    """One side of a connection that loses its peer (the test cuts the link
+    or freezes the other side) with operations pending on it.
+
+    Side "a" listens on ``host``, side "b" connects to it (the port comes
+    from the test).  A first connection makes one round trip and closes
+    ("closed"; the test answers once both sides did): the file descriptors
+    counted then are the baseline.  On a second connection each side
+    posts, towards the other (``ops`` "all"): a tag receive matched by the
+    other's rendezvous send and that send (``nbytes`` each), a put and a
+    get on the other's region and a rendezvous active message; or only the
+    send (``ops`` "send") or only the receive ("recv", the side that has
+    nothing to send then); then says "posted".  Told "cut" with a
+    monotonic time, it waits for every request and reports how each ended
+    and when, tries a blocking send on the failed endpoint and closes it.
+    Told "again", it connects a third time (the test has mended the link),
+    makes a round trip, closes ("closed" again), and reports the
+    descriptors against the baseline.
+    """
+    n = int(nbytes)
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        w.set_am_handler(AM_ID, lambda msg: None)  # the other side's AM
+        lst = where = None
+        if side == "a":
+            lst = w.listen(host=host, port=0)
+            put(["port", lst.port])
+        else:
+            where = (host, get())
+        ep = _connect_or_accept(w, side, lst, where)
+        _round_trip(w, ep, side)
+        ep.close(timeout=TIMEOUT)
+        # Counted once both sides closed (UCX lets go of a connection's
+        # socket when the other side has closed it too).
+        put(["closed"])
+        get()
+        baseline = fd_count(w)
+        ep = _connect_or_accept(w, side, lst, where)
+        rma = np.zeros(8 * MIB, np.uint8)
+        region = ctx.register(rma)
+        token = np.frombuffer(region.remote().to_bytes(), np.uint8)
+        theirs = np.zeros(4096, np.uint8)
+        req = w.recv_nb(theirs, tag=50)
+        ep.send(token, tag=50, timeout=TIMEOUT)
+        info = req.wait(TIMEOUT)
+        key = ep.unpack(theirs[: info.nbytes].tobytes())
+        inbox = np.zeros(n, np.uint8)
+        outbox = np.ones(n, np.uint8)
+        reqs = {}
+        if ops in ("all", "recv"):
+            reqs["tag recv (matched)"] = w.recv_nb(inbox, tag=1)
+        if ops in ("all", "send"):
+            reqs["tag send (rendezvous)"] = ep.send_nb(outbox, tag=1)
+        # The rendezvous sends reach the other side and match while the
+        # link is idle, before their payloads fill it.
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            w.progress()
+        if ops == "all":
+            reqs["put"] = ep.put_nb(np.ones(4 * MIB, np.uint8), key)
+            reqs["get"] = ep.get_nb(np.empty(4 * MIB, np.uint8), key, offset=4 * MIB)
+            reqs["am send (rendezvous)"] = ep.am_send_nb(
+                AM_ID, np.ones(4 * MIB, np.uint8), proto="rndv"
+            )
+        put(["posted", ctx.tuned])
+        # Progress until the test speaks (it cuts the link meanwhile).
+        while not select.select([sys.stdin], [], [], 0.001)[0]:
+            w.progress()
+        _, since = get()
+        ended = {name: _outcome(r, since) for name, r in reqs.items()}
+        t = time.monotonic()
+        try:
+            ep.send(payload(64, 1), tag=2, timeout=TIMEOUT)
+            later = ["ok"]
+        except gpucx.UCXError as exc:
+            later = [type(exc).__name__, str(exc)]
+        later_s = time.monotonic() - t
+        key.close()
+        ep.close(timeout=TIMEOUT)
+        put(["ended", ended, later, later_s])
+        if get() != "again":
+            return
+        ep = _connect_or_accept(w, side, lst, where)
+        _round_trip(w, ep, side)
+        ep.close(timeout=TIMEOUT)
+        region.close()
+        put(["closed"])
+        get()
+        put(["fds", baseline, fd_count(w)])
+        get()
+
+
+def unanswered(side: str, host: str, seconds: str) -> None:
+    """A rendezvous send to a peer that takes nothing while frozen.
+
+    Side "a" listens and sends 8 MiB (tag 7) once connected; side "b"
+    connects and receives it only when the test says "receive".  Told
+    "watch", side "a" progresses for ``seconds`` and reports whether the
+    send ended and the endpoint's error; told "finish", it waits for the
+    send (the test has let "b" run again and receive).
+    """
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        if side == "a":
+            lst = w.listen(host=host, port=0)
+            put(["port", lst.port])
+            ep = lst.accept(timeout=TIMEOUT)
+            _round_trip(w, ep, side)
+            req = ep.send_nb(payload(8 * MIB, 5), tag=7)
+            put(["posted", ctx.tuned])
+            assert get() == "watch"
+            end = time.monotonic() + float(seconds)
+            while time.monotonic() < end and not req.done():
+                w.progress()
+                time.sleep(0.001)
+            put(["watched", req.done(), repr(ep.error)])
+            assert get() == "finish"
+            req.wait(TIMEOUT)
+            put(["sent"])
+        else:
+            ep = w.connect((host, get()))
+            _round_trip(w, ep, side)
+            put(["connected"])
+            assert get() == "receive"
+            buf = np.empty(8 * MIB, np.uint8)
+            w.recv(buf, tag=7, timeout=TIMEOUT)
+            assert np.array_equal(buf, payload(8 * MIB, 5))
+            put(["received"])
         get()
 
 

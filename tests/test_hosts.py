@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import hosts as hostlib
 import pytest
+
+import gpucx
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +53,7 @@ def test_namespaces_are_torn_down():
     if reason:
         pytest.skip(f"two hosts on one machine: {reason}")
     with hostlib.make_hosts() as (a, b):
-        names = [a.ns, b.ns]
+        names = [a.ns, b.ns, a.wire_ns]
         proc = a.popen(["sleep", "600"])
         peer = b.python("-c", "import time; time.sleep(600)")
     assert proc.poll() is not None and peer.proc.poll() is not None
@@ -59,7 +62,7 @@ def test_namespaces_are_torn_down():
     ).stdout
     assert not any(n in listed for n in names), listed
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
-    assert "gxh" not in links, links
+    assert "gxh" not in links and "gxw" not in links and "gxbr" not in links, links
 
 
 def test_bench_server_and_client_across_hosts(hosts, tmp_path):
@@ -106,3 +109,161 @@ def test_bench_server_and_client_across_hosts(hosts, tmp_path):
     results = json.loads(out.read_text())["results"]
     assert len(results) == 4, results
     assert server.wait(30) == 0, srv.stderr
+
+
+# -- a host that vanishes (issue 35) -----------------------------------------
+
+#: Bytes of each rendezvous tag send in flight when the link is cut: 5 s of
+#: a link slowed to 100 Mbit/s.
+_IN_FLIGHT = 64 << 20
+_OPS = {"tag recv (matched)", "tag send (rendezvous)", "put", "get"}
+_OPS |= {"am send (rendezvous)"}
+
+
+def _pending_pair(a, b, env=None, ops=("all", "all")):
+    """Start the ``pending`` peers on both hosts (``ops`` of each: "all",
+    "send" or "recv"); return them once every operation is posted, with
+    what each context tuned."""
+    n = str(_IN_FLIGHT)
+    pa = a.python(PEERS, "pending", "a", a.address, n, ops[0], env=env)
+    pb = b.python(PEERS, "pending", "b", a.address, n, ops[1], env=env)
+    _, port = pa.get()
+    pb.put(port)
+    _both_closed(pa, pb)
+    (_, tuned), (_, tuned_b) = pa.get(), pb.get()
+    assert tuned == tuned_b
+    return pa, pb, tuned
+
+
+def _both_closed(pa, pb) -> None:
+    """Let each side count its descriptors once both closed a connection."""
+    assert pa.get() == pb.get() == ["closed"]
+    pa.put("count")
+    pb.put("count")
+
+
+def _all_failed_within(ended, deadline: float, who: str, ops: str = "all") -> dict:
+    """Every pending operation (of ``ops``, see :func:`_pending_pair`) ended
+    with PeerError within ``deadline`` s; return {operation: seconds}."""
+    _, outcome, later, later_s = ended
+    expected = {"send": {"tag send (rendezvous)"}, "recv": {"tag recv (matched)"}}
+    assert set(outcome) == expected.get(ops, _OPS), outcome
+    for op, (names, seconds) in outcome.items():
+        assert "PeerError" in names, (who, op, names)
+        assert seconds <= deadline, (who, op, seconds, outcome)
+    # The endpoint stays failed: a later operation fails at once.
+    assert later[0] == "PeerError" and later_s < 1.0, (who, later, later_s)
+    return {op: round(s, 2) for op, (_, s) in outcome.items()}
+
+
+@pytest.mark.timeout(45)
+def test_link_down_mid_transfer_fails_everything_pending_on_both_sides(hosts):
+    """The link goes down while both sides have a rendezvous send, its
+    matched receive, a put, a get and a rendezvous AM in flight: every one
+    of them, on both sides, ends with PeerError within the default
+    GPUCX_PEER_TIMEOUT (10 s), with no process exiting; once the link is
+    back both sides connect again, and neither keeps a file descriptor of
+    the lost connection."""
+    a, b = hosts
+    hostlib.slow_link(hosts)
+    pa, pb, tuned = _pending_pair(a, b)
+    if gpucx.UCX_VERSION >= (1, 22):
+        assert tuned["TCP_USER_TIMEOUT"] == "6000ms", tuned
+        assert tuned["KEEPALIVE_INTERVAL"] == "2000ms", tuned
+    time.sleep(0.5)  # the payloads are moving
+    cut = time.monotonic()
+    hostlib.cut_link(hosts, "down")
+    pa.put(["cut", cut])
+    pb.put(["cut", cut])
+    times = {
+        "a": _all_failed_within(pa.get(20), 10.0, "a"),
+        "b": _all_failed_within(pb.get(20), 10.0, "b"),
+    }
+    assert pa.proc.poll() is None and pb.proc.poll() is None
+    hostlib.mend_link(hosts)
+    pa.put("again")
+    pb.put("again")
+    _both_closed(pa, pb)
+    for peer in (pa, pb):
+        _, baseline, now = peer.get()
+        assert now == baseline, (peer.label, baseline, now, times)
+        peer.put(None)
+        peer.join(10)
+
+
+@pytest.mark.timeout(30)
+def test_peer_timeout_option_sets_the_deadline(hosts):
+    """GPUCX_PEER_TIMEOUT=3 (environment): the network between the hosts
+    drops everything while b sends to a; b's send and a's receive, on a
+    side that sends nothing but keepalives, fail within 3 s (the default
+    takes 6-8 s)."""
+    a, b = hosts
+    hostlib.slow_link(hosts)
+    env = {"GPUCX_PEER_TIMEOUT": "3"}
+    pa, pb, tuned = _pending_pair(a, b, env=env, ops=("recv", "send"))
+    if gpucx.UCX_VERSION >= (1, 22):
+        assert tuned["TCP_USER_TIMEOUT"] == "1800ms", tuned
+    time.sleep(0.5)
+    cut = time.monotonic()
+    hostlib.cut_link(hosts, "drop")
+    pa.put(["cut", cut])
+    pb.put(["cut", cut])
+    _all_failed_within(pa.get(20), 3.0, "a", "recv")
+    _all_failed_within(pb.get(20), 3.0, "b", "send")
+    for peer in (pa, pb):
+        peer.put(None)
+        peer.join(10)
+
+
+@pytest.mark.timeout(40)
+def test_frozen_peer_fails_the_pending_operations_of_a_sender(hosts):
+    """The peer on host b is frozen (SIGSTOP) mid-transfer: its kernel still
+    answers TCP, but it takes no more data, so the receive window it
+    advertises to a stays shut.  Everything pending on a's endpoint ends
+    with PeerError within 10 s.  Once b runs again, everything pending on
+    its side ends with PeerError too, at once."""
+    a, b = hosts
+    hostlib.slow_link(hosts)
+    pa, pb, _ = _pending_pair(a, b)
+    time.sleep(0.5)
+    frozen = time.monotonic()
+    pb.freeze()
+    pa.put(["cut", frozen])
+    _all_failed_within(pa.get(20), 10.0, "a")
+    thawed = time.monotonic()
+    pb.thaw()
+    pb.put(["cut", thawed])
+    _all_failed_within(pb.get(20), 2.0, "b")
+    for peer in (pa, pb):
+        peer.put(None)
+        peer.join(10)
+
+
+@pytest.mark.timeout(30)
+def test_frozen_peer_that_is_sent_nothing_is_not_detected(hosts):
+    """What no timeout can see: a rendezvous send waits for a frozen peer
+    to fetch it, with no data in flight (the peer's kernel acknowledges
+    the request and every keepalive).  It stays pending for twice
+    GPUCX_PEER_TIMEOUT with the endpoint healthy, and completes once the
+    peer runs again.  Such operations end only at their ``timeout=``."""
+    a, b = hosts
+    env = {"GPUCX_PEER_TIMEOUT": "2"}
+    pa = a.python(PEERS, "unanswered", "a", a.address, "4", env=env)
+    pb = b.python(PEERS, "unanswered", "b", a.address, "0", env=env)
+    _, port = pa.get()
+    pb.put(port)
+    assert pb.get() == ["connected"]
+    assert pa.get()[0] == "posted"
+    pb.freeze()
+    pa.put("watch")
+    _, done, error = pa.get(20)
+    assert not done and error == "None", (done, error)
+    pb.thaw()
+    pb.put("receive")
+    pa.put("finish")
+    assert pb.get() == ["received"]
+    assert pa.get() == ["sent"]
+    pb.put(None)
+    pa.put(None)
+    pb.join(10)
+    pa.join(10)
