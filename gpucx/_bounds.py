@@ -107,35 +107,37 @@ class ArrayQueueStats:
         )
 
 
-def stats(worker) -> dict[str, QueueStats]:
-    """Per-queue counters of ``worker`` (see :class:`QueueStats`)."""
+def stats(e) -> dict[str, QueueStats]:
+    """Per-queue counters of the worker whose engine is ``e`` (see
+    :class:`QueueStats`)."""
     kept = ffi.new("gpucx_qstat_t *")
     queue = ffi.new("gpucx_qstat_t *")
     notify = ffi.new("gpucx_qstat_t *")
-    lib.gpucx_am_stats(worker._amq, kept, queue)
-    lib.gpucx_notify_stats(worker._notify_q, notify)
+    lib.gpucx_am_stats(e.amq, kept, queue)
+    lib.gpucx_notify_stats(e.notify_q, notify)
     return {
         "am_kept": _from_c(kept),
         "am_queue": _from_c(queue),
         "notify": _from_c(notify),
-        "arrays": worker._am.array_stats.snapshot(),
+        "arrays": e.am.array_stats.snapshot(),
     }
 
 
-def dropped(worker) -> None:
+def dropped(e) -> None:
     """Messages were dropped since the last look: warn, rate-limited.
 
-    Called when the C drop counter moved (``Worker.progress`` and the
-    blocking waits compare it) or the array queue dropped one.
+    Called (with the worker's engine) when the C drop counter moved (the
+    engine's ``on_drops`` hook: its progress and waits compare it) or the
+    array queue dropped one.
     """
-    am = worker._am
-    worker._amq.drops_seen = worker._amq.drops
+    am = e.am
+    e.amq.drops_seen = e.amq.drops
     now = time.monotonic()
     if now < am.warn_at:
         return
     am.warn_at = now + WARN_INTERVAL_S
     full = []
-    for name, s in stats(worker).items():
+    for name, s in stats(e).items():
         if s.dropped:
             count_opt, bytes_opt = CAPS[name]
             full.append(

@@ -4,15 +4,16 @@ Core objects (``Context``, ``Worker``, ``Endpoint``, ``RemoteKey``,
 ``MemoryRegion``, ``Request``) keep their UCX handles and bookkeeping in
 private attributes that belong to the module defining them.  Code in another
 layer that needs one of them (the benchmark package ``gpucx.bench``, which
-runs its timing loops in C on the core's handles, and the memory layer,
-which asks its endpoint's worker what is still in flight) goes through the
+runs its timing loops in C on the core's handles; ``gpucx.dask`` and
+``gpucx.aio``, which wait through a worker's engine; the memory layer,
+which asks its endpoint's engine what is still in flight) goes through the
 functions here: each crossing has a name, a docstring and one place to
 change, and ``tests/test_layout.py`` checks that ``gpucx.bench`` touches no
 private attribute of a core object except through this module.
 
-This module imports only ``_lib`` and the request constants (it reaches the
-rest through the objects it is given), so every layer from ``gpucx.mem`` up
-may use it (docs/layout.md, "Layers").
+This module imports only ``_lib`` (it reaches the rest through the objects
+it is given), so every layer from ``gpucx.mem`` up may use it
+(docs/layout.md, "Layers").
 """
 
 from __future__ import annotations
@@ -20,17 +21,25 @@ from __future__ import annotations
 from typing import Any
 
 from ._lib import ffi
-from .request import INPROGRESS
 
 __all__ = [
+    "engine",
     "handle",
     "rkey_handle",
     "park",
     "am_recv_registration",
     "abandon",
-    "pending_holding",
     "defer_to_closing",
+    "fail_dead_peer",
+    "watch_peer",
 ]
+
+
+def engine(obj: Any) -> Any:
+    """The progress engine (:class:`gpucx._engine.Engine`) of a Worker, or
+    of an Endpoint's worker: progress, waits, slots and the operations in
+    flight, for the layers above the core."""
+    return obj._engine
 
 
 def handle(obj: Any) -> Any:
@@ -55,8 +64,9 @@ def rkey_handle(rmem: Any) -> Any:
 
 def park(worker: Any, slot: Any, keep: Any) -> None:
     """Leave a completion slot that UCX still holds (and ``keep``, what it
-    writes into) with the worker, which settles it when it closes."""
-    worker._park(slot, keep)
+    writes into) with the worker's engine, which frees it once UCX lets go
+    (or the worker closes)."""
+    worker._engine.park(slot, keep)
 
 
 def am_recv_registration(worker: Any, am_id: int) -> Any:
@@ -75,41 +85,6 @@ def abandon(obj: Any, reason: str) -> None:
     obj._abandon(reason)
 
 
-def _holds(keep: Any, obj: Any) -> bool:
-    """Whether an operation's keepalive holds ``obj``: RMA and atomic
-    operations keep ``(buffer, key, ...)``, those of a prepared transfer
-    ``(buffers, keys, ...)``: a key is held when it is the second item, or
-    one of the second item's items."""
-    return (
-        type(keep) is tuple
-        and len(keep) > 1
-        and (
-            keep[1] is obj
-            or (type(keep[1]) is tuple and any(k is obj for k in keep[1]))
-        )
-    )
-
-
-def pending_holding(worker: Any, obj: Any) -> list:
-    """The worker's requests still in UCX's hands that keep ``obj``."""
-    return [
-        r
-        for r in worker._pending
-        if r._slot.status == INPROGRESS and _holds(r._keep, obj)
-    ]
-
-
-def parked_holding(worker: Any, obj: Any) -> list:
-    """The slots of operations parked on the worker (timed out or canceled
-    while UCX still holds them, :func:`gpucx.request.abandon`) that keep
-    ``obj`` and that UCX has not let go of yet."""
-    return [
-        slot
-        for slot, keep in worker._parked
-        if slot.status == INPROGRESS and _holds(keep, obj)
-    ]
-
-
 def defer_to_closing(ep: Any, rkey: Any) -> bool:
     """Hand the ``ucp_rkey_h`` ``rkey`` to its endpoint when the endpoint is
     closing: it completes or cancels its operations first, then destroys
@@ -118,3 +93,20 @@ def defer_to_closing(ep: Any, rkey: Any) -> bool:
         return False
     ep._late_rkeys.append(rkey)
     return True
+
+
+def fail_dead_peer(ep: Any, reason: str) -> None:
+    """Fail ``ep`` as gpucx's liveness check does when it finds the peer
+    process dead (``Endpoint._peer_died``): for an integration that learns
+    of the death first (``gpucx.dask``'s data endpoints, which have no UCX
+    error handling).  Does nothing to an endpoint already closed."""
+    if not ep.closed:
+        ep._peer_died(reason)
+
+
+def watch_peer(ep: Any, pid: int, start_time: int) -> None:
+    """Have ``ep``'s engine check its peer, process ``pid`` of this host
+    started at ``start_time``, as for an endpoint connected to a gpucx
+    worker address (its death fails ``ep``): for an integration that learns
+    the peer's identity itself (``gpucx.dask``'s handshake)."""
+    ep._watch(pid, start_time)

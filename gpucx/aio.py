@@ -28,24 +28,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import weakref
 from typing import Any
 
-from . import _liveness as _live
+from ._engine import new_slot
 from ._handle import raise_closed
+from ._internal import engine as _engine_of
+from ._internal import handle as _handle
 from ._lib import lib
 from .errors import TimeoutError as GpucxTimeoutError
+from .listener import poll_accept
+from .ops import ipc as _own
 from .ops.tag import TAG_MASK_FULL
-from .request import (
-    _WAIT_DUE,
-    INPROGRESS,
-    Request,
-    _due,
-    _wait_due,
-    new_slot,
-    set_awaiter,
-)
+from .request import Request, engine_of, observe, set_awaiter, spin
 
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 
@@ -67,19 +62,22 @@ _ROUNDS = 8
 
 
 class _Driver:
-    """Progress of one core worker from one asyncio loop."""
+    """Progress of one worker's engine (:mod:`gpucx._engine`) from one
+    asyncio loop: everything it does to the worker goes through the
+    engine's surface (``h``, ``efd``, ``pfd``, ``poll_events``,
+    ``check_peers``...)."""
 
     def __init__(
         self,
-        worker,
+        engine,
         loop: asyncio.AbstractEventLoop,
         mode: str,
         spin_ns: int | None = None,
     ):
         if mode not in _MODES:
             raise ValueError(f"progress must be one of {_MODES}, not {mode!r}")
-        self._worker = worker
-        self._loop = loop
+        self.engine = engine
+        self.loop = loop
         self._mode = mode
         self._spin_ns = _SPIN_NS[mode] if spin_ns is None else int(spin_ns)
         self._spin_cur = self._spin_ns  # the adaptive spin length
@@ -95,37 +93,37 @@ class _Driver:
         self._closers: dict[Any, list] = {}
         self._scheduled = False
         self._timer: asyncio.TimerHandle | None = None  # peer liveness checks
-        # The worker's epoll set of its watched local peers' pidfds
-        # (worker._pfd, made with the first one), on the loop once made.
-        self._pfd = -1
-        self._efd = worker.fileno()
+        # The engine's epoll set of its watched local peers' pidfds
+        # (engine.pfd, made with the first one), on the loop once made.
+        self.pfd = -1
+        self._efd = engine.efd
         ref = weakref.ref(self)
 
         def on_readable() -> None:
             driver = ref()
             if driver is not None:
-                driver._run()
+                driver.run()
 
         self._on_readable = on_readable
         loop.add_reader(self._efd, on_readable)
-        self._attached = True
+        self.attached = True
 
     def detach(self) -> None:
         """Remove the reader; fail whatever still waits (worker closing)."""
-        if not self._attached:
+        if not self.attached:
             return
-        self._attached = False
+        self.attached = False
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._drop_pfd()
         try:
-            self._loop.remove_reader(self._efd)
+            self.loop.remove_reader(self._efd)
         except (RuntimeError, ValueError, OSError):  # loop already closed
             pass
         from .errors import ClosedError
 
-        if self._loop.is_closed():
+        if self.loop.is_closed():
             # Nobody can await these any more, and resolving a future of a
             # closed loop raises (its callbacks cannot be scheduled).
             self._waiters.clear()
@@ -149,15 +147,17 @@ class _Driver:
 
     def kick(self) -> None:
         """Progress soon (after posting, a wake may never come otherwise)."""
-        if not self._scheduled and self._attached:
+        if not self._scheduled and self.attached:
             self._scheduled = True
-            self._loop.call_soon(self._run)
+            self.loop.call_soon(self.run)
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Progress until idle, resolve what finished, re-arm (the fd's
+        reader, and ``kick``)."""
         self._scheduled = False
-        w = self._worker
-        h = w._h
-        if h is None or not self._attached:
+        e = self.engine
+        h = e.h
+        if h is None or not self.attached:
             self.detach()
             return
         progress = lib.ucp_worker_progress
@@ -165,8 +165,8 @@ class _Driver:
             for _ in range(_BURST):
                 if not progress(h):
                     break
-            w._poll_events()
-            self._settle()
+            e.poll_events()
+            self._resolve()
             if self._mode == "poll" and (self._waiters or self._accepts):
                 # Latency mode: keep progressing while anything is pending.
                 self.kick()
@@ -182,84 +182,74 @@ class _Driver:
         worker has peers on this host: a dead shared-memory peer produces no
         event on the fd, only gpucx's liveness check notices it.  Where
         pidfds exist, their exit wakes us at once (see ``_on_peer_exit``)."""
-        w = self._worker
-        if w._pfd != self._pfd:
+        e = self.engine
+        if e.pfd != self.pfd:
             self._drop_pfd()
-            if w._pfd >= 0:
-                self._loop.add_reader(w._pfd, self._on_peer_exit)
-                self._pfd = w._pfd
+            if e.pfd >= 0:
+                self.loop.add_reader(e.pfd, self._on_peer_exit)
+                self.pfd = e.pfd
         if (
             self._timer is None
-            and w._watched
-            and w._peer_interval > 0
+            and e.watched
+            and e.peer_interval > 0
             and (self._waiters or self._accepts or self._closers)
         ):
-            self._timer = self._loop.call_later(w._peer_interval, self._on_timer)
+            self._timer = self.loop.call_later(e.peer_interval, self._on_timer)
 
     def _drop_pfd(self) -> None:
-        """Take the worker's pidfd set off the loop (the worker closes it,
+        """Take the engine's pidfd set off the loop (the worker closes it,
         after this driver detached)."""
-        if self._pfd >= 0:
+        if self.pfd >= 0:
             try:
-                self._loop.remove_reader(self._pfd)
+                self.loop.remove_reader(self.pfd)
             except (RuntimeError, ValueError, OSError):  # loop already closed
                 pass
-        self._pfd = -1
+        self.pfd = -1
 
     def _on_peer_exit(self) -> None:
         """The worker's pidfd set became readable: a watched peer exited.
         Look at the peers now (``/proc`` confirms; the endpoint fails with
-        PeerError and its pidfd leaves the set) and settle what that
+        PeerError and its pidfd leaves the set) and resolve what that
         failed."""
-        w = self._worker
-        if w._h is not None:
-            _live.check(w, force=True)
-        self._run()
+        e = self.engine
+        if e.h is not None:
+            e.check_peers(force=True)
+        self.run()
 
     def _on_timer(self) -> None:
         self._timer = None
-        if not self._attached:
+        if not self.attached:
             return
-        self._run()
+        self.run()
         self._arm_timer()
 
-    def _settle(self) -> None:
+    def _resolve(self) -> None:
         if self._closers:
-            self._settle_closers()
+            self.resolve_closers()
         if self._canceled:
-            # (A settled request's slot may already serve another message.)
-            done = [
-                r for r in self._canceled if r._state or r._slot.status != INPROGRESS
-            ]
-            for req in done:
+            # observe() completes a finished request (a settled request's
+            # slot may already serve another message).
+            for req in [r for r in self._canceled if observe(r)]:
                 self._canceled.discard(req)
-                if not req._state:
-                    req._complete()
         if self._waiters:
-            done = [
-                r for r in self._waiters if r._state or r._slot.status != INPROGRESS
-            ]
-            for req in done:
+            for req in [r for r in self._waiters if observe(r)]:
                 fut = self._waiters.pop(req)
-                if not req._state:  # (a dead peer's request is settled already)
-                    req._complete()
                 if fut.done():  # the awaiting task was canceled
                     continue
-                if req._state == 1:
-                    fut.set_result(req._value)
+                exc = req.exception()
+                if exc is None:
+                    fut.set_result(req.result())
                 else:
-                    fut.set_exception(req._value)
+                    fut.set_exception(exc)
         if self._accepts:
             for item in list(self._accepts):
                 listener, fut, error_handling = item
                 if fut.done():
                     self._accepts.remove(item)
                     continue
-                ls = listener._state
-                if listener._h is not None and ls.head == ls.tail:
-                    continue  # no connection request queued
                 try:
-                    ep = listener._try_accept(error_handling)
+                    # None while no connection request is queued.
+                    ep = poll_accept(listener, error_handling)
                 except Exception as exc:
                     self._accepts.remove(item)
                     fut.set_exception(exc)
@@ -268,14 +258,15 @@ class _Driver:
                     self._accepts.remove(item)
                     fut.set_result(ep)
 
-    def _settle_closers(self) -> None:
+    def resolve_closers(self) -> None:
         """Resolve the ``wait_closed`` futures of endpoints that failed
         (UCX's error callback or gpucx's liveness check set their error
         status, both seen here after progress) or were closed."""
-        ok = lib.UCS_OK
+        if not self._closers:
+            return
         done = None
         for ep in self._closers:
-            if ep._h is None or ep._state.error != ok:
+            if ep.closed or ep.error is not None:
                 if done is None:
                     done = []
                 done.append(ep)
@@ -289,9 +280,9 @@ class _Driver:
         """What ``Endpoint.wait_closed`` awaits for core endpoint ``ep``."""
         entry = self._closers.get(ep)
         if entry is None:
-            entry = self._closers[ep] = [self._loop.create_future(), 0]
-            if ep._h is None or ep._state.error != lib.UCS_OK:
-                self._settle_closers()
+            entry = self._closers[ep] = [self.loop.create_future(), 0]
+            if ep.closed or ep.error is not None:
+                self.resolve_closers()
             else:
                 self._arm_timer()
         fut = entry[0]
@@ -301,7 +292,7 @@ class _Driver:
         finally:
             entry[1] -= 1
             if not entry[1] and not fut.done():
-                if not self._loop.is_closed():  # else: collected with its loop
+                if not self.loop.is_closed():  # else: collected with its loop
                     fut.cancel()  # the last awaiting task gave up
                 if self._closers.get(ep) is entry:
                     del self._closers[ep]
@@ -327,7 +318,7 @@ class _Driver:
         if not self._spin_cur:
             self._spin_skip = _SPIN_PROBE_EVERY
 
-    def _park(self) -> None:
+    def _arm_wake(self) -> None:
         """Make sure the fd wakes us for what comes next.  With this request
         the only one awaited, arm the worker here (the spin just
         progressed it) instead of in a progress pass on the next loop
@@ -342,31 +333,33 @@ class _Driver:
         ):
             self.kick()
             return
-        w = self._worker
-        w._poll_events()
+        e = self.engine
+        e.poll_events()
         if self._closers:
-            self._settle_closers()
-        if lib.ucp_worker_arm(w._h) == lib.UCS_ERR_BUSY:
+            self.resolve_closers()
+        if lib.ucp_worker_arm(e.h) == lib.UCS_ERR_BUSY:
             self.kick()
 
     async def wait(self, req: Request):
+        """Await ``req``: the engine's spin first (:meth:`Engine.spin`, the
+        due-spin every wait shares), then a future the progress passes
+        resolve."""
         if req.done():
             return req.result()
-        w = req._worker
-        spin = self._spin_len()
-        if spin:
-            st = _wait_due(w._state, req._slot, spin)
-            hit = _spin_on(w, req._slot, spin) if st == _WAIT_DUE else st != INPROGRESS
-            self._spin_done(spin, hit)
+        e = self.engine
+        spin_ns = self._spin_len()
+        if spin_ns:
+            hit = spin(req, spin_ns)
+            self._spin_done(spin_ns, hit)
         else:  # one progress call (gpucx_wait polls at least 128 times)
-            lib.ucp_worker_progress(w._h)
-            hit = req._slot.status != INPROGRESS
+            lib.ucp_worker_progress(e.h)
+            hit = observe(req)
         if hit:
-            w._poll_events()
+            e.poll_events()
             return req.wait(0)
-        fut = self._loop.create_future()
+        fut = self.loop.create_future()
         self._waiters[req] = fut
-        self._park()
+        self._arm_wake()
         self._arm_timer()
         try:
             return await fut
@@ -380,75 +373,51 @@ class _Driver:
             raise
 
     async def accept(self, listener, error_handling: bool = True):
-        ep = listener._try_accept(error_handling)
+        """Await the next connection request of ``listener``."""
+        ep = poll_accept(listener, error_handling)
         if ep is not None:
             return ep
-        fut = self._loop.create_future()
+        fut = self.loop.create_future()
         self._accepts.append((listener, fut, error_handling))
         self.kick()
         return await fut
 
 
-def _spin_on(worker, slot, spin_ns: int) -> bool:
-    """An await's spin (``gpucx_wait_due``) stopped because Python has work
-    due: run it (the handlers of active messages, notifications), as a
-    blocking wait does (``request.block``), then spin on for up to
-    ``spin_ns`` more until ``slot`` completes; return whether it did.
-
-    Each later stop runs the work that arrived meanwhile.  Inside a handler
-    that work stays due (dispatch does not nest), and the rest of the spin
-    ignores it.  A handler's exception ends the spin and propagates; the
-    request stays pending.
-    """
-    state = worker._state
-    end = time.monotonic_ns() + spin_ns
-    while True:
-        worker._poll_events()
-        if slot.status != INPROGRESS:
-            return True
-        spin_ns = end - time.monotonic_ns()
-        if spin_ns <= 0:
-            return False
-        if _due(state):
-            return lib.gpucx_wait(worker._h, slot, spin_ns) != INPROGRESS
-        st = _wait_due(state, slot, spin_ns)
-        if st != _WAIT_DUE:
-            return st != INPROGRESS
-
-
-def _driver(worker, mode: str | None = None, spin_ns: int | None = None) -> _Driver:
-    """The driver of ``worker`` on the running loop (made on first use)."""
+def _driver(engine, mode: str | None = None, spin_ns: int | None = None) -> _Driver:
+    """The driver of a worker's ``engine`` on the running loop (made on
+    first use; the engine's ``driver``)."""
     loop = asyncio.get_running_loop()
-    drv = worker._aio
-    if drv is not None and drv._attached and drv._loop is loop:
+    drv = engine.driver
+    if drv is not None and drv.attached and drv.loop is loop:
         return drv
     if drv is not None:
         drv.detach()
-    drv = _Driver(worker, loop, mode or "event", spin_ns)
-    worker._aio = drv
+    drv = _Driver(engine, loop, mode or "event", spin_ns)
+    engine.driver = drv
     return drv
 
 
 async def wait_request(req: Request):
     """Await a request from any coroutine (what ``await req`` does)."""
-    if req._state or req._slot.status != INPROGRESS:
+    if observe(req):
         return req.wait(0)
-    return await _driver(req._worker).wait(req)
+    return await _driver(engine_of(req)).wait(req)
 
 
 # ``await req`` waits here (gpucx.request knows no event loop).
 set_awaiter(wait_request)
 
 
-async def _flush(driver: _Driver, worker, post, handle, ep=None) -> None:
+async def _flush(driver: _Driver, post, handle, ep=None) -> None:
     """Post an endpoint or worker flush and await its completion (after
     gpucx's own copies issued through it, gpucx.ops.ipc, finished)."""
-    for req in [r for r in worker._copies if ep is None or r._ep is ep]:
+    e = driver.engine
+    for req in _own.in_flight(e, ep):
         await req
     slot = new_slot()
     post(handle, slot)
     what = "endpoint flush" if ep is not None else "worker flush"
-    await driver.wait(Request(worker, slot, None, what, None, ep))
+    await driver.wait(Request(e, slot, None, what, None, ep))
 
 
 class Endpoint:
@@ -482,9 +451,10 @@ class Endpoint:
     async def aflush(self) -> None:
         """Wait until every operation on this endpoint completed remotely."""
         ep = self._ep
-        if ep._h is None:
+        h = _handle(ep)
+        if h is None:
             raise_closed(ep)
-        await _flush(self._drv, ep._w, lib.gpucx_ep_flush, ep._h, ep)
+        await _flush(self._drv, lib.gpucx_ep_flush, h, ep)
 
     async def wait_closed(self):
         """Wait until the endpoint fails or is closed; return why.
@@ -510,8 +480,7 @@ class Endpoint:
     def close(self, *, force: bool = False, timeout: float | None = None) -> None:
         """Close the endpoint (see :meth:`gpucx.Endpoint.close`)."""
         self._ep.close(force=force, timeout=timeout)
-        if self._drv._closers:
-            self._drv._settle_closers()
+        self._drv.resolve_closers()
 
     async def __aenter__(self):
         return self
@@ -548,7 +517,7 @@ class Listener:
         """:meth:`gpucx.Listener.accept` (blocking), returning the async
         :class:`Endpoint`."""
         ep = self._lst.accept(timeout, error_handling=error_handling)
-        return Endpoint(ep, self._aw._drv)
+        return Endpoint(ep, self._aw.driver)
 
     async def aaccept(
         self, timeout: float | None = None, *, error_handling: bool = True
@@ -609,7 +578,7 @@ class Worker:
             raise ValueError(f"spin_us must be >= 0, not {spin_us!r}")
         self._worker = context.create_worker(thread_mode)
         spin = None if spin_us is None else int(spin_us * 1000)
-        self._drv = _driver(self._worker, progress, spin)
+        self._drv = _driver(_engine_of(self._worker), progress, spin)
         self._listeners: list = []
 
     def __getattr__(self, name: str) -> Any:
@@ -622,6 +591,13 @@ class Worker:
     def worker(self):
         """The underlying blocking-API :class:`gpucx.Worker`."""
         return self._worker
+
+    @property
+    def driver(self) -> _Driver:
+        """The event-loop driver of this worker (gpucx.aio's own: what its
+        :class:`Endpoint` and :class:`Listener` faces and gpucx.dask's comms
+        await through)."""
+        return self._drv
 
     async def __aenter__(self):
         return self
@@ -719,9 +695,10 @@ class Worker:
     async def aflush(self) -> None:
         """Wait until every operation of this worker completed remotely."""
         w = self._worker
-        if w._h is None:
+        h = _handle(w)
+        if h is None:
             raise_closed(w)
-        await _flush(self._drv, w, lib.gpucx_worker_flush, w._h)
+        await _flush(self._drv, lib.gpucx_worker_flush, h)
 
 
 class ProgressThread:
@@ -744,30 +721,31 @@ class ProgressThread:
             raise ValueError(
                 'a progress thread needs a worker created with thread_mode="multi"'
             )
-        self._worker = worker
+        self._engine = e = _engine_of(worker)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, name="gpucx-progress", daemon=True
         )
         # The worker stops the thread before it destroys the UCX worker.
-        worker._on_close.append(self.stop)
+        e.on_close.append(self.stop)
         self._thread.start()
 
     def _loop(self) -> None:
-        w = self._worker
+        e = self._engine
         while not self._stop.is_set():
-            h = w._h
+            h = e.h
             if h is None:
                 return
-            lib.gpucx_worker_sleep(h, w._efd, -1, 50)
+            lib.gpucx_worker_sleep(h, e.efd, -1, 50)
 
     def stop(self, timeout: float | None = 5.0) -> None:
         """Stop the thread and wait for it (wakes it through the fd)."""
         if self._stop.is_set():
             return
         self._stop.set()
-        if self._worker._h is not None:
-            lib.ucp_worker_signal(self._worker._h)
+        h = self._engine.h
+        if h is not None:
+            lib.ucp_worker_signal(h)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import os
 import time
 
-from . import _address, _liveness
+from . import _address
 from . import protocols as _protocols
+from ._engine import INPROGRESS, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
+from ._liveness import SUSPECT_S
 from .errors import (
     InvalidAddressError,
     UCXError,
     check,
     ep_create_error,
     peer_error_for,
+    peer_gone,
 )
 from .ops import am as _am
 from .ops import am_batch as _am_batch
@@ -24,7 +27,7 @@ from .ops import ipc as _own
 from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
-from .request import INPROGRESS, finish, new_slot, settle, wait_closing
+from .request import finish
 
 __all__ = ["Endpoint"]
 
@@ -54,6 +57,9 @@ class Endpoint(Handle):
     def __init__(self, worker, state, peer: str):
         self._init_handle()
         self._w = worker
+        # The worker's progress engine (gpucx._engine): what the operations
+        # on this endpoint post with and wait on.
+        self._engine = worker._engine
         self._state = state
         self._h = state.ep
         self.peer = peer
@@ -61,9 +67,9 @@ class Endpoint(Handle):
 
     @classmethod
     def _connect(cls, worker, address, error_handling: bool, raw: bool = False):
-        wstate = worker._state
         if worker._h is None:
             raise_closed(worker)
+        wstate = worker._engine.state
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
         ident = None
@@ -100,7 +106,7 @@ class Endpoint(Handle):
         ep._sockaddr = isinstance(address, tuple)
         if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
             ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
-            _liveness.watch(worker, ep, ident.pid, ident.start_time)
+            ep._watch(ident.pid, ident.start_time)
         return ep
 
     @classmethod
@@ -108,7 +114,7 @@ class Endpoint(Handle):
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
         check(
-            lib.gpucx_ep_create_conn(worker._state, conn_request, mode, state),
+            lib.gpucx_ep_create_conn(worker._engine.state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
         ep = cls(worker, state, peer)
@@ -147,6 +153,93 @@ class Endpoint(Handle):
         else:
             exc.args = (exc.args[0] + self._failure_hint(),)
         return exc
+
+    def _failure(self, st: int, what: str):
+        """The error an operation ``what`` that failed with ``st`` raises
+        when the cause is this endpoint's failure (peer death), else None
+        (gpucx.request.raise_status: one place for every operation)."""
+        if st == _SHMEM_SEGMENT and self._h is not None:
+            # UCX could not attach the peer's shared-memory segment: a local
+            # peer that died before gpucx's liveness check looked is the
+            # usual cause.
+            self._engine.check_peer(self)
+        if self._state is None or self._state.error == lib.UCS_OK:
+            return None
+        exc = peer_error_for(self._state.error, what)
+        if self._error_reason is not None:  # gpucx found the peer dead
+            exc.args = (f"{what}: {self._error_reason}",)
+        else:
+            exc.args = (exc.args[0] + self._failure_hint(),)
+        return exc
+
+    def _watch(self, pid: int, start_time: int) -> None:
+        """Have the engine check the peer, process ``pid`` of this host
+        started at ``start_time``, from now on (gpucx._liveness): its death
+        fails this endpoint (:meth:`_peer_died`)."""
+        self._engine.watch(self, pid, start_time, self._state, self._peer_died)
+
+    def _peer_died(self, reason: str) -> None:
+        """gpucx found the peer, a process of this host, dead (the engine's
+        liveness check, :mod:`gpucx._liveness`): fail this endpoint with
+        ``reason`` and close it in UCX.
+
+        With peer error handling the UCX endpoint is force-closed, which
+        fails every operation still outstanding on it.  Without it a force
+        close is undefined behaviour in UCX; in ``"multi"`` thread mode
+        another thread may be posting on the endpoint right now.  In those
+        cases the UCX endpoint is left to the worker's destruction.  Either
+        way, a tracked request UCX still holds is parked (its buffers stay
+        alive until UCX lets go) and fails with PeerError, and blocking
+        waits on the endpoint raise PeerError (``Engine.block``).
+        """
+        e = self._engine
+        self._state.error = lib.UCS_ERR_CONNECTION_RESET
+        self._error_reason = reason
+        self._closed_reason = reason
+        h = self._h
+        self._h = None  # later operations raise PeerError (_handle.raise_closed)
+        parent = self._parent  # the bookkeeping close() does for a closed child
+        if parent is not None:
+            parent._live -= 1
+        force = self._peer_mode and not e.multi
+        if force:
+            pending = [r for r in e.pending if r._slot.status == INPROGRESS]
+            slot = new_slot()
+            if lib.gpucx_ep_close(h, 1, slot) == INPROGRESS:
+                e.park(slot)
+            else:
+                lib.gpucx_slot_release(slot)
+            lib.ucp_worker_progress(e.h)
+            # Operations gpucx cannot tie to an endpoint (a tag receive
+            # already matched to the dead peer's rendezvous send) come back
+            # canceled by the force close, within a few progress calls: that
+            # is the peer's death (see Request._complete).
+            until = time.monotonic() + SUSPECT_S
+            for req in pending:
+                if req._ep is None:
+                    e.suspects[req] = (reason, until)
+        # Atomics gpucx emulates over active messages wait for a reply UCX
+        # knows nothing of: they fail with the peer's death now.
+        lib.gpucx_amo_ep_closed(e.state, h, self._state.error)
+        for req in [r for r in e.pending if r._ep is self]:
+            if req._slot.status != INPROGRESS:
+                req._complete()
+            else:
+                e.park(req._slot, req._keep, req._holds)
+                req._fail(peer_gone(req._what, reason, self._state.error))
+        # The endpoint's children (unpacked remote keys) must go before the
+        # UCX endpoint and worker do; a later close() of the endpoint finds
+        # no UCX handle and would not reach them.
+        if force:
+            self._close_children()
+        else:  # the UCX endpoint lives on: close them with the worker
+            e.on_close.append(self._close_keys)
+
+    def _close_keys(self) -> None:
+        """Close a dead peer's remote keys within the closing worker's
+        deadline."""
+        self._deadline = self._w._deadline
+        self._close_children()
 
     def _failure_hint(self) -> str:
         """What to check when UCX failed a ``(host, port)`` connection."""
@@ -250,12 +343,12 @@ class Endpoint(Handle):
         h = self._h
         if h is None:
             raise_closed(self)
-        w = self._w
-        if w._copies:  # gpucx's own copies (gpucx.ops.ipc) first
-            _own.drain(w, self, timeout)
+        e = self._engine
+        if e.copies:  # gpucx's own copies (gpucx.ops.ipc) first
+            _own.drain(e, self, timeout)
         slot = new_slot()
         st = lib.gpucx_ep_flush(h, slot)
-        finish(self._w, slot, st, timeout, f"flush of endpoint {self.peer}", self)
+        finish(e, slot, st, timeout, f"flush of endpoint {self.peer}", self)
 
     # -- tag matching (facades over gpucx.ops.tag) ---------------------------
 
@@ -334,14 +427,14 @@ class Endpoint(Handle):
         super().close(timeout=timeout)
 
     def _release(self) -> None:
-        w = self._w
-        if w._h is None:  # pragma: no cover - worker closes its children first
+        e = self._engine
+        if e.h is None:  # pragma: no cover - worker closes its children first
             return
         if self._borrowed:  # UCX owns it (an AM reply endpoint)
             return
         deadline = self._deadline
-        alive = _liveness.peer_alive(self)
-        _liveness.unwatch(w, self)
+        alive = e.peer_alive(self)
+        e.unwatch(self)
         force = (
             getattr(self, "_force", False)
             or self._state.error != lib.UCS_OK
@@ -354,21 +447,25 @@ class Endpoint(Handle):
             force = not self._drain(deadline)
         slot = new_slot()
         if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
-            _close_wait(w, slot, time_left(deadline, CLOSE_GRACE_S))
+            # A flush close needs the peer to progress, which may be another
+            # worker of this context (Engine.others).
+            end = time.monotonic() + time_left(deadline, CLOSE_GRACE_S)
+            e.wait_closing(lambda: slot.status != INPROGRESS, end, e.others())
         if slot.status == INPROGRESS:
             # UCX still owns the close request: never close twice, never free
             # the slot under it; the worker settles it when it is destroyed.
-            w._park(slot, None)
+            e.park(slot)
         else:
             lib.gpucx_slot_release(slot)
         # Atomics gpucx runs over active messages on this endpoint wait for a
         # reply UCX knows nothing of: they are canceled here.
-        lib.gpucx_amo_ep_closed(w._state, self._h, lib.UCS_ERR_CANCELED)
+        lib.gpucx_amo_ep_closed(e.state, self._h, lib.UCS_ERR_CANCELED)
         if force:
             # A force close completes this endpoint's requests (canceled)
             # from inside progress; let them land before the caller looks.
-            _settle(w, self, CLOSE_GRACE_S)
-        if any(r._ep is self and r._slot.status == INPROGRESS for r in w._pending):
+            mine = [r for r in e.pending if r._ep is self]
+            e.drain(mine, time.monotonic() + CLOSE_GRACE_S)
+        if any(r._ep is self and r._slot.status == INPROGRESS for r in e.pending):
             return  # UCX may still use the keys: never free them under it
         for rkey in self._late_rkeys:
             lib.gpucx_rkey_destroy(rkey)
@@ -378,12 +475,12 @@ class Endpoint(Handle):
 
         True when everything completed before ``deadline``.
         """
-        w = self._w
+        e = self._engine
         slot = new_slot()
         lib.gpucx_ep_flush(self._h, slot)  # a final status lands in the slot
         # Receives on the endpoint (stream) wait for the peer to send, which
         # it may never do: the close cancels them rather than waiting.
-        mine = [r for r in w._pending if r._ep is self and r._what != _stream._RECV]
+        mine = [r for r in e.pending if r._ep is self and r._what != _stream.RECV]
 
         def drained() -> bool:
             nonlocal mine
@@ -394,42 +491,14 @@ class Endpoint(Handle):
 
         try:
             end = time.monotonic() + time_left(deadline)
-            done = wait_closing(w, drained, end, _siblings(w))
+            done = e.wait_closing(drained, end, e.others())
             return done and self._state.error == lib.UCS_OK
         finally:
             if slot.status == INPROGRESS:
                 # The force close that follows completes the flush request.
-                w._park(slot, None)
+                e.park(slot)
             else:
                 lib.gpucx_slot_release(slot)
-
-
-def _siblings(worker) -> list:
-    """The other live workers of ``worker``'s context: a peer may be one of
-    them (tests, pipelines), and a close that needs the peer must progress
-    it too."""
-    return [c for c in worker._context._children if c is not worker and c._is_worker]
-
-
-def _settle(worker, ep, timeout: float) -> None:
-    """Progress ``worker`` until no request of ``ep`` is pending (bounded)."""
-    settle(
-        worker._h,
-        [r for r in worker._pending if r._ep is ep],
-        time.monotonic() + timeout,
-    )
-
-
-def _close_wait(worker, slot, timeout: float) -> None:
-    """Wait (bounded) for an endpoint close.
-
-    A flush close needs the peer to progress.  The peer may be another
-    worker of this process (tests, pipelines), so every live worker of the
-    same context is progressed too; otherwise this is a plain sleep on the
-    worker's event fd.
-    """
-    end = time.monotonic() + timeout
-    wait_closing(worker, lambda: slot.status != INPROGRESS, end, _siblings(worker))
 
 
 def _check_worker_address(blob: bytes, local: bytes) -> None:
@@ -452,6 +521,9 @@ def _check_worker_address(blob: bytes, local: bytes) -> None:
             f"this UCX reads (0..{newest})"
         )
 
+
+#: UCX could not attach a peer's shared-memory segment.
+_SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 
 _ADDRESS_VERSION_MASK = 0x0F
 _ADDRESS_PAD = 4096

@@ -5,7 +5,6 @@ from __future__ import annotations
 from ._handle import Handle, raise_closed
 from ._lib import ffi, lib
 from .errors import check
-from .request import wait_for
 
 __all__ = ["Listener"]
 
@@ -61,7 +60,7 @@ class Listener(Handle):
         """
         what = f"no connection on {self.host}:{self.port}"
         accept = self._try_accept
-        return wait_for(self._w, lambda: accept(error_handling), timeout, what)
+        return self._w._engine.wait_for(lambda: accept(error_handling), timeout, what)
 
     def _try_accept(self, error_handling: bool = True):
         """The endpoint of the oldest queued connection request, or None."""
@@ -75,6 +74,26 @@ class Listener(Handle):
         peer = f"peer of {self.host}:{self.port}"
         return Endpoint._accept(self._w, req, peer, error_handling)
 
+    def _queued(self) -> bool:
+        """Whether a connection request waits (no call into C)."""
+        st = self._state
+        return self._h is None or st.head != st.tail
+
     def _release(self) -> None:
         lib.gpucx_listener_drain(self._state)
         lib.ucp_listener_destroy(self._h)
+
+
+def poll_accept(listener: Listener, error_handling: bool = True):
+    """The endpoint of ``listener``'s oldest queued connection request, or
+    None when none is queued (what an event-loop driver asks after each
+    progress pass; nothing is called in C when the queue is empty).
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the listener is closed.
+    """
+    if not listener._queued():
+        return None
+    return listener._try_accept(error_handling)

@@ -15,7 +15,7 @@ module reads UCX's own reports of those choices; it never guesses:
   then also writes every table to its log as it is made.
 * ``ucp_request_query`` (``"ucp_request_query"``): the protocol of one
   request still in flight, for its exact length (:meth:`Request.protocol`,
-  :func:`probe`).  Needs no option.
+  :func:`gpucx.ops.rma.probe`).  Needs no option.
 
 A selection exists only once an operation of that kind, with those memory
 types, was posted on an endpoint of the same configuration: before that
@@ -42,8 +42,11 @@ memory and a CUDA region of a process on this host, or a ``get`` of one
 into CUDA memory, that gpucx copies itself with the copy engines over CUDA
 IPC is reported as a :class:`Protocol` with ``description`` ``"gpucx
 cuda_ipc copy"``, ``config`` ``"gpucx/cuda_ipc"`` and ``source``
-``"gpucx"`` (:func:`protocol` with the key, :func:`probe`,
-:attr:`Request.protocol`); it is never slow.
+``"gpucx"`` (:func:`protocol` with the key, :func:`gpucx.ops.rma.probe`,
+:attr:`Request.protocol`); it is never slow.  Whether that path takes an
+operation is :mod:`gpucx.ops.ipc`'s to say (it registers the question
+with :func:`set_own_route`): this module reports on the operations and
+imports none of them.
 
 ``no data fetch`` and everything else (short, eager, zero-copy, rendezvous
 over ``cuda_ipc``, ``cma``, ``knem``, ``rkey_ptr``, RDMA) is not slow.
@@ -57,6 +60,7 @@ import re
 import sys
 import types
 import warnings
+from typing import Any
 
 from ._handle import raise_closed
 from ._lib import ffi, lib
@@ -72,9 +76,10 @@ __all__ = [
     "is_slow",
     "protocols",
     "protocol",
-    "probe",
-    "probe_nb",
     "own_path",
+    "set_own_route",
+    "remember_info",
+    "memory_name",
     "SlowPathWarning",
 ]
 
@@ -391,10 +396,12 @@ def _memory_pair(memory) -> tuple[str, str]:
     if isinstance(memory, str):
         memory = (memory, "")
     local, remote = (list(memory) + ["", ""])[:2]
-    return _norm(local), _norm(remote)
+    return memory_name(local), memory_name(remote)
 
 
-def _norm(m) -> str:
+def memory_name(m) -> str:
+    """How a protocol row names a memory type (``"host"``, ``"cuda"``...),
+    from a :class:`gpucx.MemoryType`, its int value or a name."""
     if isinstance(m, int) and not isinstance(m, bool):
         from .mem.memtype import MemoryType
 
@@ -439,24 +446,23 @@ def own_path(op: str, ep=None, local: str = "", remote: str = "cuda"):
     )
 
 
-def _own_route(ep, op: str, local: str, remote: str, rkey) -> bool:
-    """Whether gpucx's own path takes ``op`` with these memory types: with
-    ``rkey``, for that key; without, for a key of ``ep`` whose CUDA IPC
-    handle is open."""
-    if op not in ("put", "get") or remote not in ("cuda", ""):
-        return False
-    from .ops import ipc as _own
-
-    if rkey is not None:
-        return rkey.memory_type.name == "CUDA" and _own.would_route(rkey, local, op)
-    if not remote:
-        return False
-    for child in list(getattr(ep, "_children", ())):
-        if getattr(child, "cuda_ipc", None) == "open" and _own.would_route(
-            child, local, op
-        ):
-            return True
+def _no_own_route(ep, op: str, local: str, remote: str, rkey) -> bool:
     return False
+
+
+#: Whether gpucx's own path takes an operation: ``(ep, op, local memory,
+#: remote memory, rkey) -> bool``, registered by :mod:`gpucx.ops.ipc` when
+#: it is imported (:func:`set_own_route`): this module reports on the
+#: operations and imports none of them.
+_own_route: Any = _no_own_route
+
+
+def set_own_route(fn) -> None:
+    """Make ``fn(ep, op, local, remote, rkey)`` what :func:`protocol` asks
+    whether gpucx's own copy path takes an operation (``gpucx.ops.ipc``
+    registers :func:`gpucx.ops.ipc.takes`)."""
+    global _own_route
+    _own_route = fn
 
 
 def protocol(
@@ -507,7 +513,7 @@ def protocol(
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
     local, remote = _memory_pair(memory)
     if rkey is not None:
-        remote = _norm(rkey.memory_type)
+        remote = memory_name(rkey.memory_type)
     if not variant and _own_route(ep, op, local, remote, rkey):
         if ep._h is None:
             raise_closed(ep)
@@ -526,6 +532,13 @@ def request_protocol(slot, ep=None, remote_memory: str = ""):
     return _remember(ep, parse_request_info(ffi.string(out).decode()), remote_memory)
 
 
+def remember_info(ep, text: str, remote_memory: str):
+    """The :class:`Protocol` a request's info string (``ucp_request_query``)
+    describes, remembered on ``ep`` for :func:`protocol`; None for an empty
+    or unreadable string."""
+    return _remember(ep, parse_request_info(text), remote_memory)
+
+
 def _remember(ep, row, remote_memory: str):
     if row is None:
         return None
@@ -539,70 +552,6 @@ def _remember(ep, row, remote_memory: str):
         )
     if ep is not None:
         _learnt(ep)[(row.op, row.local_memory, row.remote_memory, row.start)] = row
-    return row
-
-
-def probe_nb(ep, op: str, buf, rkey, offset: int = 0, *, ucx: bool = False):
-    """Start one put (``op="put"``: ``buf`` into the remote region) or get
-    (``"get"``: the region into ``buf``) and return ``(request, protocol)``:
-    the :class:`Protocol` UCX selected for it (``ucp_request_query`` on a
-    request posted with ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL``, so that UCX
-    reports even an operation it could finish at once), None if UCX gave
-    no info string.  The answer is also remembered for :func:`protocol`.
-    Where gpucx's own path takes the operation, it is posted there and its
-    row returned; ``ucx=True`` posts it to UCX all the same (the row of
-    what code posting to UCX directly, such as the bench's C loops, gets).
-
-    This moves data like :meth:`Endpoint.put_nb` / :meth:`Endpoint.get_nb`.
-
-    Raises
-    ------
-    ValueError
-        For another ``op``, and as :meth:`Endpoint.put` / :meth:`Endpoint.get`.
-    gpucx.ClosedError
-        If the endpoint is closed.
-    """
-    from .mem import cuda as _cuda
-    from .mem.memtype import HOST_INT
-    from .ops import ipc as _own
-    from .ops import rma as _rma
-    from .request import new_slot, posted
-
-    if op not in ("put", "get"):
-        raise ValueError(f"probe: op must be 'put' or 'get', not {op!r}")
-    is_get = op == "get"
-    h, ptr, n, mt, keep, raddr = _rma._checked(ep, buf, rkey, offset, None, op)
-    w = ep._w
-    m = None if ucx else _own.route(ep, rkey, mt, ptr, is_get)
-    if m is not None:  # gpucx's own path: no UCX request to query
-        own = _own.post(ep, m, rkey, ptr, n, raddr, is_get, None, keep, op)
-        return own, own_path(op, ep, _norm(mt), _norm(rkey.memory_type))
-    slot = new_slot()
-    out = ffi.new("char[]", 1024)
-    args = (h, is_get, ptr, n, raddr, rkey._h, mt, slot, out, 1024)
-    if mt == HOST_INT:
-        st = lib.gpucx_rma_probe(*args)
-    else:
-        with _cuda.door(w, ptr, mt, None, op):
-            st = lib.gpucx_rma_probe(*args)
-    req = posted(w, slot, st, (keep, rkey), op, ep)
-    row = parse_request_info(ffi.string(out).decode())
-    return req, _remember(ep, row, _norm(rkey.memory_type))
-
-
-def probe(ep, op: str, buf, rkey, offset: int = 0, *, timeout=None, ucx=False):
-    """:func:`probe_nb`, waited for (the peer must progress meanwhile, as
-    for any get); returns the protocol.
-
-    Raises
-    ------
-    ValueError, gpucx.ClosedError
-        As :func:`probe_nb`.
-    gpucx.PeerError, gpucx.TimeoutError
-        As :meth:`Endpoint.put` / :meth:`Endpoint.get`.
-    """
-    req, row = probe_nb(ep, op, buf, rkey, offset, ucx=ucx)
-    req.wait(timeout)
     return row
 
 

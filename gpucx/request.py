@@ -1,74 +1,53 @@
 """Requests: the Python face of one outstanding UCX operation.
 
 A :class:`Request` owns a completion slot (a C ``gpucx_slot_t`` that the UCX
-callback writes), the worker it progresses, and whatever the operation reads
-or writes (buffers, IOV arrays) until the operation completes.  The UCX
-request handle is released exactly once, by C, when completion is observed.
+callback writes), the engine of the worker it progresses
+(:mod:`gpucx._engine`), and whatever the operation reads or writes
+(buffers, IOV arrays) until the operation completes.  The UCX request
+handle is released exactly once, by C, when completion is observed.
 
-:func:`block` is the one waiting loop for an operation: it spins in C, then
-sleeps on the worker's event fd (cffi releases the GIL), checks the deadline
-between slices, and on timeout or interrupt cancels the operation and drains
-it so that UCX never writes into memory Python has freed.  The other waits
-live here too, one function each: :func:`wait_for` (anything else the
-blocking API waits for: a connection, an array, a notification),
-:func:`wait_closing` (a close that needs the peer), :func:`settle` (the
-close paths' bounded drain of requests) and :func:`abandon`.  No other
-module writes a progress-and-sleep loop (docs/layout.md).
+Waiting is the engine's (:meth:`gpucx._engine.Engine.block` and the other
+waits): this module adds what turns a finished slot into a result or an
+error (:func:`finish`, :func:`raise_status`, :func:`posted`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import namedtuple
-from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 from typing import Any
 
+from ._engine import INPROGRESS, new_slot
 from ._lib import ffi, lib
 from .errors import (
     CanceledError,
     MessageTruncatedError,
-    TimeoutError,
     UCXError,
     error_for,
-    peer_error_for,
     peer_gone,
 )
 
 __all__ = [
     "Request",
     "RecvInfo",
-    "block",
-    "wait_for",
-    "wait_closing",
-    "settle",
     "INPROGRESS",
     "posted",
+    "finish",
+    "raise_status",
+    "observe",
+    "in_flight",
+    "spin",
+    "engine_of",
 ]
 
-INPROGRESS = lib.UCS_INPROGRESS
 OK = lib.UCS_OK
 TRUNCATED = lib.UCS_ERR_MESSAGE_TRUNCATED
 CANCELED = lib.UCS_ERR_CANCELED
-_SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 
-#: Longest single sleep, so deadlines and signals are checked in time.
-_SLICE_MS = 100
-#: What the C sleeps report when a watched local peer's pidfd woke them.
-_PEER_EXITED = lib.GPUCX_PEER_EXITED
-_WAIT_DUE = lib.GPUCX_WAIT_DUE
-# Looked up once: a cffi ``lib.name`` costs about 50 ns, and these run for
-# every request that completes or waits.
+# Looked up once: a cffi ``lib.name`` costs about 50 ns, and this runs for
+# every request that completes.
 _slot_release = lib.gpucx_slot_release
-_wait_due = lib.gpucx_wait_due
-_due = lib.gpucx_due
-#: How long a canceled operation may take to report back when its worker
-#: closes.
-_DRAIN_S = 5.0
-#: How long a timed-out or interrupted wait drains its canceled operation:
-#: a receive reports back within a progress call or two; UCX cannot cancel a
-#: send, which is parked at once so that the deadline is kept.
-_CANCEL_DRAIN_S = 0.02
 
 RecvInfo = namedtuple("RecvInfo", ["tag", "nbytes"])
 RecvInfo.__doc__ = "What a tag receive got: the sender's ``tag`` and ``nbytes``."
@@ -77,247 +56,34 @@ RecvInfo.__doc__ = "What a tag receive got: the sender's ``tag`` and ``nbytes``.
 _SLOT_P = ffi.typeof("gpucx_slot_t *")
 
 
-def new_slot():
-    """A fresh completion slot (C memory owned by the returned cdata)."""
-    return ffi.new(_SLOT_P)
-
-
-def slice_ms(deadline: float | None, timeout: float | None, what: str) -> int:
-    """How long the next sleep may be: one slice, never past the deadline.
-
-    Raises
-    ------
-    gpucx.TimeoutError
-        Once ``deadline`` (a ``time.monotonic()`` value) has passed; the
-        message reads ``f"{what} within {timeout} s"``.
-    """
-    if deadline is None:
-        return _SLICE_MS
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError(f"{what} within {timeout} s", lib.UCS_ERR_TIMED_OUT)
-    return min(_SLICE_MS, max(1, int(left * 1000)))
-
-
-def _peer_exited(worker) -> None:
-    """A sleep was woken by the pidfd of a local peer the worker watches:
-    look at its peers now, not at the next interval (gpucx._liveness; the
-    dead peer's endpoint fails, its pidfd leaves the sleeping set)."""
-    from . import _liveness
-
-    _liveness.check(worker, force=True)
-
-
-def block(
-    worker, slot, timeout: float | None, keep: Any = None, ep=None, cancel=True
-) -> int:
-    """Progress ``worker`` until ``slot`` completes; return its status.
-
-    ``cancel=False`` for operations UCX cannot cancel (atomics: UCX aborts
-    the process when asked to cancel a software atomic): on timeout they are
-    parked without a cancel request.
-
-    Raises
-    ------
-    gpucx.TimeoutError
-        When ``timeout`` seconds pass first; the operation is canceled.
-    gpucx.PeerError
-        When gpucx finds ``ep``'s peer dead while waiting (the operation is
-        parked until UCX lets go of it).
-    """
-    h = worker._h
-    efd = worker._efd
-    deadline = None if timeout is None else time.monotonic() + timeout
-    if slot is worker._sslot:
-        # Waiting runs Python (AM handlers, aio callbacks) that may start
-        # blocking calls of its own: they get a fresh shared slot, this one
-        # stays with the operation it belongs to.
-        worker._sslot = new_slot()
-    state = worker._state
-    # The spin stops for Python's work as it arrives (gpucx_wait_due): the
-    # handlers of active messages run then, not once the operation is done
-    # or the spin is over.  Not while that work stays due after the hook
-    # ran (this wait is inside a handler: dispatch does not nest).
-    due = True
-    try:
-        while True:
-            if due:
-                st = _wait_due(state, slot, worker._spin_ns)
-                if st == _WAIT_DUE:
-                    worker._poll_events()
-                    if _due(state):
-                        due = False
-                    if deadline is None or time.monotonic() < deadline:
-                        continue
-                    st = INPROGRESS  # the slice below raises the timeout
-            else:
-                st = lib.gpucx_wait(h, slot, worker._spin_ns)
-            if st != INPROGRESS:
-                return st
-            worker._poll_events()
-            if ep is not None and ep._h is None and slot.status == INPROGRESS:
-                from ._handle import raise_closed
-
-                raise_closed(ep)  # the peer died: PeerError
-            ms = slice_ms(deadline, timeout, "operation did not complete")
-            st = lib.gpucx_wait_sleep(h, efd, worker._pfd, slot, ms)
-            if st != INPROGRESS:
-                if st != _PEER_EXITED:
-                    return st
-                _peer_exited(worker)
-    except BaseException:
-        abandon(worker, slot, keep, cancel)
-        raise
-
-
-#: Progress calls between two looks at the deadline in a polling wait.
-POLL_STRIDE = 1000
-
-
-def wait_for(
-    worker,
-    ready: Callable[[], Any],
-    timeout: float | None,
-    what: str | None = None,
-    check: Callable[[], object] | None = None,
-    poll: bool = False,
-) -> Any:
-    """Wait on ``worker`` until ``ready()`` returns something true; return it.
-
-    The blocking wait for anything other than one operation's slot (a
-    connection request, an array, a notification, a control message).
-    Between looks at ``ready()`` it sleeps one slice on the worker's event
-    fd (progressing first; cffi releases the GIL), then runs the worker's
-    between-slices hook (AM handlers, notifications, liveness of peers on
-    this host, parked operations) and ``check()``, which raises to end the
-    wait (e.g. ``PeerError`` for a dead peer).  ``poll=True`` busy-polls
-    instead of sleeping (benchmark receivers, as ``ucx_perftest``'s: a
-    sleeping receiver makes a shared-memory sender signal it and wait for
-    it to wake): ``worker.progress()`` after each look, the deadline and
-    ``check()`` every ``POLL_STRIDE`` looks.
-
-    ``timeout`` None waits forever.  When it passes: ``TimeoutError``
-    reading ``f"{what} within {timeout} s"`` if ``what`` is given, otherwise
-    the last ``ready()`` value (false) is returned.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    r = ready()
-    while not r:
-        try:
-            ms = slice_ms(deadline, timeout, what or "wait")
-        except TimeoutError:
-            if what is None:
-                return r
-            raise
-        if poll:
-            for _ in range(POLL_STRIDE):
-                worker.progress()
-                r = ready()
-                if r:
-                    return r
-        else:
-            woke = lib.gpucx_worker_sleep(worker._h, worker._efd, worker._pfd, ms)
-            if woke == -_PEER_EXITED:
-                _peer_exited(worker)
-            worker._poll_events()
-        if check is not None:
-            check()
-        r = ready()
-    return r
-
-
-def wait_closing(worker, done: Callable[[], bool], end: float, others=()) -> bool:
-    """The bounded wait of a close that needs its peer to progress: until
-    ``done()`` or ``time.monotonic()`` passes ``end``.
-
-    The peer may be another worker of this process (tests, pipelines):
-    each round progresses the ``others`` too, then sleeps at most 1 ms on
-    ``worker`` (without its event fd while others are progressed: their
-    events would not wake it).  No Python handlers run.  True when done.
-    """
-    efd = -1 if others else worker._efd
-    while not done():
-        if time.monotonic() >= end:
-            return False
-        for other in others:
-            if other._h is not None:
-                lib.ucp_worker_progress(other._h)
-        lib.gpucx_worker_sleep(worker._h, efd, -1, 1)
-    return True
-
-
-def settle(worker_h, reqs, end: float) -> bool:
-    """Progress a worker (its UCX handle ``worker_h``) until none of
-    ``reqs`` is pending or ``time.monotonic()`` passes ``end``.
-
-    The bounded wait of the close paths (worker, endpoint, remote key):
-    progress only, no sleep.  True when none is pending any more.
-    """
-    return settle_slots(worker_h, [r._slot for r in reqs], end)
-
-
-def settle_slots(worker_h, slots, end: float) -> bool:
-    """:func:`settle` for completion slots (parked operations have no
-    request): True when none of ``slots`` is pending any more."""
-    pending = [s for s in slots if s.status == INPROGRESS]
-    while pending and time.monotonic() < end:
-        lib.ucp_worker_progress(worker_h)
-        pending = [s for s in pending if s.status == INPROGRESS]
-    return not pending
-
-
-def abandon(worker, slot, keep: Any = None, cancel: bool = True) -> None:
-    """Cancel a pending operation and wait (bounded) until UCX lets go of it.
-
-    If UCX does not report back within ``_CANCEL_DRAIN_S`` (a send, which UCX
-    cannot cancel), the slot and the buffers are parked on the worker: never
-    freed while UCX may still use them, freed once UCX lets go.
-    """
-    if slot.status != INPROGRESS or worker._h is None:
-        lib.gpucx_slot_release(slot)
-        return
-    if cancel:
-        lib.gpucx_slot_cancel(worker._h, slot)
-    end = time.monotonic() + _CANCEL_DRAIN_S
-    while slot.status == INPROGRESS and time.monotonic() < end:
-        lib.gpucx_wait(worker._h, slot, 1_000_000)
-    if slot.status == INPROGRESS:
-        worker._park(slot, keep)
-    else:
-        lib.gpucx_slot_release(slot)
-    if slot is worker._sslot:
-        # The shared blocking slot may still be referenced by UCX.
-        worker._sslot = new_slot()
-
-
 def finish(
-    worker, slot, st: int, timeout: float | None, what: str, ep=None, keep=None
+    engine,
+    slot,
+    st: int,
+    timeout: float | None,
+    what: str,
+    ep=None,
+    keep=None,
+    holds=None,
 ) -> None:
     """Complete a just-posted operation synchronously: wait while it is
-    pending (``keep`` holds its buffers), raise its error if it failed."""
+    pending (``keep`` holds its buffers, ``holds`` names the remote keys it
+    uses: see :meth:`gpucx._engine.Engine.holding`), raise its error if it
+    failed."""
     if st == INPROGRESS:
-        st = block(worker, slot, timeout, keep, ep)
+        st = engine.block(slot, timeout, keep, ep, True, holds)
     if st != OK:
-        raise_status(st, what, ep)
+        raise_status(st, what, ep, slot)
 
 
 def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     """Raise the error for a failed operation (one place for every op)."""
-    if st == _SHMEM_SEGMENT and ep is not None and ep._h is not None:
-        # UCX could not attach the peer's shared-memory segment: a local peer
-        # that died before gpucx's liveness check looked is the usual cause.
-        from . import _liveness
-
-        _liveness.check_peer(ep._w, ep)
-    if ep is not None and ep._state is not None and ep._state.error != OK:
-        # The endpoint failed: report the endpoint's cause (peer death), not
-        # the secondary status of the request.
-        exc = peer_error_for(ep._state.error, what)
-        if ep._error_reason is not None:  # gpucx found the peer dead
-            exc.args = (f"{what}: {ep._error_reason}",)
-        else:
-            exc.args = (exc.args[0] + ep._failure_hint(),)
-        raise exc
+    if ep is not None:
+        # A failed endpoint reports its cause (peer death), not the
+        # secondary status of the request (gpucx.Endpoint._failure).
+        exc = ep._failure(st, what)
+        if exc is not None:
+            raise exc
     exc = error_for(st, what)
     if st == TRUNCATED and isinstance(exc, MessageTruncatedError):
         exc.buffer_size = nbytes
@@ -344,8 +110,8 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
 
 def _raise_if_peer_died(req) -> None:
     """Raise PeerError if ``req`` was canceled by gpucx force-closing a dead
-    peer's endpoint (see gpucx._liveness.peer_died)."""
-    found = req._worker._suspects.pop(req, None)
+    peer's endpoint (see gpucx.Endpoint._peer_died)."""
+    found = req._engine.suspects.pop(req, None)
     if found is not None and time.monotonic() < found[1]:
         raise peer_gone(req._what, found[0])
 
@@ -366,7 +132,7 @@ class Request:
 
     __slots__ = (
         "_slot",
-        "_worker",
+        "_engine",
         "_keep",
         "_what",
         "_finish",
@@ -374,12 +140,15 @@ class Request:
         "_nbytes",
         "_state",
         "_value",
+        "_holds",
         "__weakref__",
     )
 
-    def __init__(self, worker, slot, keep, what, finish, ep=None, nbytes=None):
+    def __init__(
+        self, engine, slot, keep, what, finish, ep=None, nbytes=None, holds=None
+    ):
         self._slot = slot
-        self._worker = worker
+        self._engine = engine
         self._keep = keep
         self._what = what
         self._finish = finish
@@ -387,13 +156,16 @@ class Request:
         self._nbytes = nbytes
         self._state = 0  # 0 pending, 1 ok, 2 failed
         self._value = None
+        # The remote keys (one, or a tuple) the operation uses: what a key's
+        # close asks about (Engine.holding).
+        self._holds = holds
         if slot.status == INPROGRESS:
-            # Worker._track, inlined: one call less for every pending
+            # Engine.track, inlined: one call less for every pending
             # operation.
-            pending = worker._pending
+            pending = engine.pending
             pending.add(self)
-            if len(pending) >= worker._sweep_at:
-                worker._sweep()
+            if len(pending) >= engine.sweep_at:
+                engine.sweep()
         else:
             self._complete()
 
@@ -422,31 +194,32 @@ class Request:
         else:
             self._state = 2
             try:
-                if st == CANCELED and self._worker._suspects:
+                if st == CANCELED and self._engine.suspects:
                     _raise_if_peer_died(self)
                 raise_status(st, self._what, self._ep, slot, self._nbytes)
             except UCXError as exc:
                 self._value = exc
         self._keep = None
-        self._worker._pending.discard(self)
+        self._holds = None
+        self._engine.pending.discard(self)
 
     def _fail(self, exc: UCXError) -> None:
         """Settle as failed while UCX still holds the operation (the caller
-        parked the slot and the buffers on the worker)."""
+        parked the slot and the buffers with the engine)."""
         self._state = 2
         self._value = exc
         self._keep = None
-        self._worker._untrack(self)
+        self._engine.untrack(self)
 
     def done(self) -> bool:
         """Progress once if needed; return True when the operation finished."""
         if self._state:
             return True
         if self._slot.status == INPROGRESS:
-            w = self._worker
-            if w._h is None:
+            e = self._engine
+            if e.h is None:
                 return False
-            w.progress()
+            e.progress()
             if self._slot.status == INPROGRESS:
                 return False
         self._complete()
@@ -464,17 +237,15 @@ class Request:
         """
         if not self._state:
             if self._slot.status == INPROGRESS:
-                w = self._worker
-                if w._h is None:
-                    from ._handle import raise_closed
-
-                    raise_closed(w)
+                e = self._engine
+                if e.h is None:
+                    e.raise_closed()
                 try:
-                    block(w, self._slot, timeout, None, self._ep, self._cancelable)
+                    e.block(self._slot, timeout, None, self._ep, self._cancelable)
                 except BaseException:
                     if self._state:  # failed while waiting (a dead peer)
                         raise self._value from None
-                    w._suspects.pop(self, None)  # canceled by the timeout
+                    e.suspects.pop(self, None)  # canceled by the timeout
                     # block() canceled and drained (or parked) the operation.
                     if self._slot.status != INPROGRESS:
                         self._complete()
@@ -513,11 +284,11 @@ class Request:
         this returns False and the operation goes on."""
         if self._state or self._slot.status != INPROGRESS or not self._cancelable:
             return False
-        w = self._worker
-        if w._h is None:
+        e = self._engine
+        if e.h is None:
             return False
-        w._suspects.pop(self, None)  # canceled by the user, not a death
-        if lib.gpucx_slot_cancel(w._h, self._slot) != INPROGRESS:
+        e.suspects.pop(self, None)  # canceled by the user, not a death
+        if lib.gpucx_slot_cancel(e.h, self._slot) != INPROGRESS:
             # Canceled on the spot (a receive no message matched yet):
             # settle now rather than stay tracked until someone looks.
             self._complete()
@@ -587,7 +358,8 @@ class _Done(Request):
     __slots__ = ()
     _state = 1
     _keep = None
-    _worker = None
+    _engine = None
+    _holds = None
     _ep = None
     _finish = None
     _nbytes = None
@@ -595,7 +367,7 @@ class _Done(Request):
     _slot = ffi.new(_SLOT_P, {"status": OK})
 
 
-class _Settled(_Done):
+class _DoneAtPost(_Done):
     """A request UCX finished while it was posted, with no result to carry
     (a send, put or get): its result is a class constant too, so making one
     costs an empty object."""
@@ -604,27 +376,61 @@ class _Settled(_Done):
     _value = None
 
 
-_new_settled = object.__new__
+_new_done = object.__new__
 
 
 def done_with(value) -> Request:
     """A request already finished with ``value`` as its result."""
-    req = _new_settled(_Done)
+    req = _new_done(_Done)
     req._value = value
     return req
 
 
-def posted(worker, slot, st: int, keep, what: str, ep) -> Request:
+def posted(engine, slot, st: int, keep, what: str, ep, holds=None) -> Request:
     """The :class:`Request` of a just-posted send, put or get (``wait()``
     returns None) whose post returned ``st``.
 
-    ``slot`` may be the worker's shared slot (single-thread workers): an
+    ``slot`` may be the engine's shared slot (single-thread workers): an
     operation that finished at once leaves it free for the next one and gets
     a settled request without a slot; one still pending keeps it, and the
-    worker takes a fresh shared slot.
+    engine takes a fresh shared slot.  ``holds``: the remote keys it uses.
     """
     if st == OK:
-        return _new_settled(_Settled)
-    if slot is worker._sslot:
-        worker._sslot = new_slot()
-    return Request(worker, slot, keep, what, None, ep)
+        return _new_done(_DoneAtPost)
+    if slot is engine.sslot:
+        engine.sslot = new_slot()
+    return Request(engine, slot, keep, what, None, ep, None, holds)
+
+
+# -- what the layers above a request read of it ---------------------------------
+
+
+def engine_of(req: Request):
+    """The engine ``req`` progresses (None for a request finished when it
+    was made)."""
+    return req._engine
+
+
+def observe(req: Request) -> bool:
+    """True once ``req`` finished, without progressing: the first look at a
+    finished slot completes it (frees the UCX request, sets its result).
+    What an event-loop driver asks of the requests it waits for."""
+    if req._state:
+        return True
+    if req._slot.status == INPROGRESS:
+        return False
+    req._complete()
+    return True
+
+
+def in_flight(req: Request) -> bool:
+    """True while UCX still holds ``req``'s operation (its slot is pending),
+    also after the request failed: one failed by its peer's death while UCX
+    held it stays in flight until UCX lets go of it."""
+    return req._slot.status == INPROGRESS
+
+
+def spin(req: Request, spin_ns: int) -> bool:
+    """Busy-poll ``req``'s completion for up to ``spin_ns`` ns
+    (:meth:`gpucx._engine.Engine.spin`); True when it completed."""
+    return req._engine.spin(req._slot, spin_ns)

@@ -20,7 +20,7 @@ def hostile_array_peer(tls, chan, messages):
         chan.put(w.address)
         for header, nbytes, proto in messages:
             req = _am._send_nb(
-                ep, _am.ARRAY_AM_ID, bytes(nbytes), header, _am._flags(True, proto)
+                ep, _am.ARRAY_AM_ID, bytes(nbytes), header, _am.send_flags(True, proto)
             )
             req.wait(30)
         ep.send_array(np.arange(1000, dtype=np.float64))

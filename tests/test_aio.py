@@ -87,7 +87,7 @@ def test_cancel_pending_receive_leaves_worker_usable(ctx):
             await ep.asend(b"ok", tag=99)
             assert await recv == (99, 2) and out == b"ok"
             # The canceled receive settled (as canceled) and is not tracked.
-            assert not b.worker._pending
+            assert not b.worker._engine.pending
 
     run(main())
 
@@ -297,14 +297,14 @@ def test_a_killed_local_peer_is_seen_through_its_pidfd():
                 pending = asyncio.ensure_future(w.arecv(bytearray(8), tag=9))
                 await asyncio.sleep(0.2)
                 assert not closed.done() and not pending.done()
-                core = w._drv._worker
-                assert len(core._pidfds) == 1  # the peer's pidfd, in the set
-                assert w._drv._pfd == core._pfd >= 0  # the set on the loop
+                core = w._drv.engine
+                assert len(core.pidfds) == 1  # the peer's pidfd, in the set
+                assert w._drv.pfd == core.pfd >= 0  # the set on the loop
                 ch.put("die")
                 err = await asyncio.wait_for(closed, 10)
                 assert isinstance(err, gpucx.PeerError), err
                 assert "died" in str(err)
-                assert core._pidfds == {}  # out of the set and closed
+                assert core.pidfds == {}  # out of the set and closed
                 pending.cancel()
                 ep.close()
 

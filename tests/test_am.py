@@ -48,7 +48,7 @@ def test_am_sizes_and_protocols(pair, tls, proto, nbytes):
     assert np.array_equal(out, src)
     # The record gave its data (and, for a rendezvous, its C header copy)
     # away with the receive; the message keeps its own header.
-    assert id(msg._pair) not in pair.b._am.held
+    assert id(msg._pair) not in pair.b._engine.am.held
     assert msg.header == hdr
 
 
@@ -159,7 +159,7 @@ def test_handler_replacement_and_removal(pair):
     req = pair.ab.am_send_nb(4, b"3")
     with pytest.warns(RuntimeWarning, match="active message id 4.*dropped"):
         end = time.monotonic() + 10
-        while pair.b._amq.tail == 0 or not req.done():
+        while pair.b._engine.amq.tail == 0 or not req.done():
             pair.a.progress()
             lib_progress_only(pair.b)
             assert time.monotonic() < end
@@ -189,7 +189,7 @@ def test_handler_exception_reaches_progress_and_queue_survives(pair):
         pair.ab.am_send_nb(6, b"c"),
     ]
     end = time.monotonic() + 10
-    while pair.b._amq.tail < 3 or not all(r.done() for r in reqs):
+    while pair.b._engine.amq.tail < 3 or not all(r.done() for r in reqs):
         pair.a.progress()
         lib_progress_only(pair.b)
         assert time.monotonic() < end
@@ -208,7 +208,7 @@ def test_handler_exception_reaches_request_wait(pair):
     pair.drive(pair.ab.am_send_nb(7, b"x"))
     recv = pair.b.recv_nb(bytearray(4), tag=99)  # never matched
     end = time.monotonic() + 10
-    while pair.b._amq.tail == 0:
+    while pair.b._engine.amq.tail == 0:
         pair.a.progress()
         lib_progress_only(pair.b)
         assert time.monotonic() < end
@@ -348,7 +348,7 @@ def test_worker_close_with_queued_messages(ctx):
     reqs = [p.ab.am_send_nb(1, b"e" * 100, proto="eager") for _ in range(5)]
     p.drive(*reqs)
     end = time.monotonic() + 10
-    while p.b._amq.tail == 0:
+    while p.b._engine.amq.tail == 0:
         lib_progress_only(p.b)
         assert time.monotonic() < end
     held = None
@@ -464,13 +464,13 @@ def test_multi_thread_worker_delivers_each_message_once():
 
 def test_internal_handlers_on_reserved_ids(pair):
     got = []
-    _am.set_internal_handler(pair.b, 0xFF00, got.append)
+    _am.set_internal_handler(pair.b._engine, 0xFF00, got.append)
     pair.drive(_am.send_internal_nb(pair.ab, 0xFF00, b"note", header=b"n"))
     pump(pair, lambda: got)
     assert got[0].am_id == 0xFF00 and bytes(got[0].data) == b"note"
     for bad in (5, _am.ARRAY_AM_ID):
         with pytest.raises(ValueError, match="reserved"):
-            _am.set_internal_handler(pair.b, bad, print)
+            _am.set_internal_handler(pair.b._engine, bad, print)
     with pytest.raises(ValueError, match="reserved"):
         _am.send_internal_nb(pair.ab, 5, b"x")
 
@@ -499,7 +499,7 @@ def test_held_messages_and_views_survive_record_reuse(pair):
         assert bytes(msg.data) == bytes([i % 251]) * (1 + i % 64)
     for i, view in views:
         assert bytes(view) == bytes([i % 251]) * (1 + i % 64)
-    am = pair.b._am
+    am = pair.b._engine.am
     assert len(am.held) == len(kept) + len(views)
     del kept, views, msg, view
     assert not am.held  # every record went back
@@ -520,7 +520,7 @@ def test_dropped_message_with_receive_in_flight_keeps_its_record(pair):
     pair.drive(*sends)
     for k, dst in enumerate(dsts, 1):
         assert (dst == k).all()
-    assert not pair.b._am.held
+    assert not pair.b._engine.am.held
 
 
 def test_pool_is_bounded(pair):
@@ -530,16 +530,16 @@ def test_pool_is_bounded(pair):
     ]
     pair.drive(*reqs)
     pump(pair, lambda: len(got) == len(reqs))
-    assert len(pair.b._am.held) == len(reqs)
+    assert len(pair.b._engine.am.held) == len(reqs)
     del got[:]
-    assert not pair.b._am.held
-    assert len(pair.b._am.free) == _am._POOL_MAX
+    assert not pair.b._engine.am.held
+    assert len(pair.b._engine.am.free) == _am._POOL_MAX
 
 
 def test_record_of_a_message_not_kept_goes_back_when_its_handler_returns(pair):
     """A handler that keeps nothing: the record is back in the pool right
     after it (no finalizer), and the next message reuses it."""
-    am = pair.b._am
+    am = pair.b._engine.am
     seen = []
     pair.b.set_am_handler(9, lambda msg: seen.append((type(msg), id(msg._pair))))
     for k in range(5):
@@ -551,7 +551,7 @@ def test_record_of_a_message_not_kept_goes_back_when_its_handler_returns(pair):
 
 
 def test_kept_message_gives_its_record_back_when_collected(pair):
-    am = pair.b._am
+    am = pair.b._engine.am
     got = collect(pair.b, 10)
     pair.drive(pair.ab.am_send_nb(10, b"kept" * 16, proto="eager"))
     pump(pair, lambda: got)
@@ -566,7 +566,7 @@ def test_kept_message_gives_its_record_back_when_collected(pair):
 def test_message_in_a_raising_handlers_traceback_stays_valid(pair):
     """The exception's traceback holds the message: its data stays readable
     until the exception is gone, then the record goes back."""
-    am = pair.b._am
+    am = pair.b._engine.am
 
     def handler(msg):
         raise KeyError(msg)
@@ -586,7 +586,7 @@ def test_rendezvous_receive_hands_the_record_to_its_request(pair):
     """After a rendezvous receive_into the request owns the record (its
     completion slot) and gives it back once done; the message keeps its
     header and its reply endpoint."""
-    am = pair.b._am
+    am = pair.b._engine.am
     got = collect(pair.b, 12)
     src = np.arange(1 << 16, dtype=np.uint8)
     send = pair.ab.am_send_nb(12, src, header=b"h", proto="rndv", reply=True)
@@ -691,7 +691,7 @@ def test_posted_receive_cancel_and_timeout_lose_nothing(pair):
     handled = collect(pair.b, 15)
     req = pair.b.am_recv_nb(15, bytearray(4))
     assert req.cancel()
-    assert req.done() and req not in pair.b._pending  # settled at once
+    assert req.done() and req not in pair.b._engine.pending  # settled at once
     assert not req.cancel()
     with pytest.raises(gpucx.CanceledError):
         req.wait(5)
@@ -749,7 +749,7 @@ def test_worker_close_cancels_posted_receives(ctx):
 def _kept(worker, am_id):
     from gpucx._lib import lib
 
-    return lib.gpucx_am_kept(worker._am.regs[am_id])
+    return lib.gpucx_am_kept(worker._engine.am.regs[am_id])
 
 
 @pytest.mark.parametrize("proto", ["eager", "rndv"])
@@ -873,7 +873,7 @@ def test_worker_close_releases_kept_messages(ctx, nbytes):
     assert held.count == 3 and held.bytes == (3 * nbytes if nbytes == 64 else 0)
     # The C queue outlives the worker's close; its counters drop as each
     # message's data goes back (gpucx_am_release: to UCX, or freed).
-    amq = p.b._amq
+    amq = p.b._engine.amq
     p.b.close()
     kept, queue = ffi.new("gpucx_qstat_t *"), ffi.new("gpucx_qstat_t *")
     lib.gpucx_am_stats(amq, kept, queue)

@@ -201,7 +201,7 @@ def test_replacing_and_removing_the_pool(pair):
     # Clearing the handler clears the pool with it.
     pair.b.set_am_handler(8, got.append, into=_pool(1))
     pair.b.set_am_handler(8, None)
-    assert 8 not in pair.b._am.pools
+    assert 8 not in pair.b._engine.am.pools
 
 
 def test_pool_errors(pair):
@@ -226,7 +226,7 @@ def test_pool_errors(pair):
     w.set_am_handler(1, print, into=[buf[500:], buf[:500], buf[:0]])  # adjacent
     w.set_am_handler(1, None)
     # Nothing was installed by the failed calls.
-    assert 1 not in w._am.handlers and 1 not in w._am.pools
+    assert 1 not in w._engine.am.handlers and 1 not in w._engine.am.pools
     with pytest.raises(ValueError):
         w.set_am_handler(0xFF00, print, into=_pool(1))
     w.close()

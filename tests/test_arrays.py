@@ -125,7 +125,7 @@ def test_per_endpoint_queues(ctx):
     end = time.monotonic() + 20
     while (
         not all(r.done() for r in reqs)
-        or sum(len(q) for q in recv._am.arrays.values()) < 6
+        or sum(len(q) for q in recv._engine.am.arrays.values()) < 6
     ):
         for w in (s1, s2, recv):
             w.progress()
@@ -158,7 +158,7 @@ def test_custom_allocator(pair):
     arr = sample("float64", (4, 4), 4)
     pair.drive(pair.ab.send_array_nb(arr))
     end = time.monotonic() + 10
-    while not pair.b._am.arrays:
+    while not pair.b._engine.am.arrays:
         pair.b.progress()
         assert time.monotonic() < end
     out = pair.ba.recv_array(timeout=5, allocator=alloc)
@@ -168,11 +168,11 @@ def test_custom_allocator(pair):
 
 def _send_raw(pair, header, payload=b"\0" * 8):
     req = _am._send_nb(
-        pair.ab, _am.ARRAY_AM_ID, payload, header, _am._flags(True, None)
+        pair.ab, _am.ARRAY_AM_ID, payload, header, _am.send_flags(True, None)
     )
     pair.drive(req)
     end = time.monotonic() + 10
-    while not pair.b._am.arrays:
+    while not pair.b._engine.am.arrays:
         pair.b.progress()
         assert time.monotonic() < end
 
@@ -477,7 +477,7 @@ def test_allocation_failure_drops_one_array(pair, proto):
 
     req = pair.ab.send_array_nb(np.ones(1 << 16, np.uint8), proto=proto)
     end = time.monotonic() + 10
-    while not pair.b._am.arrays:
+    while not pair.b._engine.am.arrays:
         pair.a.progress()
         pair.b.progress()
         assert time.monotonic() < end

@@ -36,7 +36,7 @@ def _raw(ep, key, raddr, base, size, *, op=None, nbytes=8, value=1):
     chooses, past every check gpucx makes on the initiator's side."""
     amo = ffi.new("gpucx_amo_t *")
     lib.gpucx_atomic(
-        ep._w._state,
+        ep._engine.state,
         ep._h,
         1,
         lib.GPUCX_AMO_ADD if op is None else op,
@@ -51,7 +51,15 @@ def _raw(ep, key, raddr, base, size, *, op=None, nbytes=8, value=1):
         amo,
     )
     return atomic_ops._AmoRequest(
-        True, ep._w, ffi.addressof(amo, "slot"), (amo, key), "fetch_add", None, ep
+        True,
+        ep._engine,
+        ffi.addressof(amo, "slot"),
+        amo,
+        "fetch_add",
+        None,
+        ep,
+        None,
+        key,
     )
 
 
@@ -331,7 +339,7 @@ def test_two_processes_count_to_20000(tls):
             end = time.monotonic() + 35
             while pending and time.monotonic() < end:
                 for _ in range(64):  # progress; sleep on the event fd when idle
-                    lib.gpucx_worker_sleep(w._h, w._efd, -1, 1)
+                    lib.gpucx_worker_sleep(w._h, w._engine.efd, -1, 1)
                 for c in list(pending):
                     if c._conn.poll(0):
                         kind, olds = c.get(5)

@@ -224,7 +224,7 @@ def _park_pending(w, slots, n, keep):
     """Never free a slot UCX still holds: park it on its worker."""
     for i in range(n):
         if slots[i].status == lib.UCS_INPROGRESS:
-            w._park(slots + i, (slots, keep))
+            w._engine.park(slots + i, (slots, keep))
 
 
 def _acked(fn, w, ep, head, buf, tail, window, timeout_ns):

@@ -282,7 +282,7 @@ def test_notifications_pushed_by_a_progress_thread_and_popped_concurrently():
 
         def take():
             while not done.is_set() or b.stats()["notify"].count:
-                got.extend(_rma._pop_notification(b) or () for _ in range(8))
+                got.extend(_rma._pop_notification(b._engine) or () for _ in range(8))
 
         with ProgressThread(b):
             takers = [threading.Thread(target=take) for _ in range(2)]

@@ -75,7 +75,7 @@ def test_flush_close_cancels_what_is_left_at_its_deadline(tls, pair):
     assert _outcome(small, pair.a) == "ok"
     assert big.cancelled()
     pending = gpucx.request.INPROGRESS
-    assert not [r for r in pair.a._pending if r._slot.status == pending]
+    assert not [r for r in pair.a._engine.pending if r._slot.status == pending]
 
 
 def test_force_close_cancels_at_once(tls, pair):
@@ -236,7 +236,7 @@ def _sent_unreceived(pair: Pair, what: str):
     data = np.arange(256 << 10, dtype=np.uint8)
     if what == "array":
         send = pair.ab.send_array_nb(data, proto="rndv")
-        queued = lambda: pair.b._am.arrays  # noqa: E731
+        queued = lambda: pair.b._engine.am.arrays  # noqa: E731
     else:  # a posted receive takes the first message, the second is kept
         first = pair.b.am_recv_nb(7, np.empty_like(data))
         pair.drive(pair.ab.am_send_nb(7, data, proto="rndv"), first)

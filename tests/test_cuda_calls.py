@@ -117,7 +117,15 @@ def test_deferred_stream_waits_with_progress_when_busy(pair, monkeypatch):
     _cuda_capable(pair.ctx)
     events = []
     drv.observer = events.append
-    monkeypatch.setattr(pair.a, "progress", lambda: events.append(("progress",)) or 0)
+    # The door progresses the worker's engine while it waits.
+    from gpucx._engine import Engine
+
+    mine, progress = pair.a._engine, Engine.progress
+    monkeypatch.setattr(
+        Engine,
+        "progress",
+        lambda e: events.append(("progress",)) or 0 if e is mine else progress(e),
+    )
     previous = gcuda.set_driver(drv)
     try:
         _spy(monkeypatch, {"gpucx_am_send"})

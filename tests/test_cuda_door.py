@@ -15,6 +15,7 @@ import pytest
 import test_gpu_layer as _layer
 from test_gpu_layer import CUDA, PostSpy, _Posted, _setup_fake
 
+from gpucx._engine import Engine
 from gpucx.mem import cuda as gcuda
 from gpucx.ops import am as _am
 from gpucx.ops import am_batch as _am_batch
@@ -110,12 +111,12 @@ def test_door_pops_on_any_exception(fake_driver, pair):
     _setup_fake(fake_driver, pair, pytest.MonkeyPatch(), arr, device=1, polls=0)
     fake_driver.current = OTHER_CTX
     ptr = arr.__array_interface__["data"][0]
-    with pytest.raises(KeyError), gcuda.door(pair.a, ptr, CUDA, None, "test"):
+    with pytest.raises(KeyError), gcuda.door(pair.a._engine, ptr, CUDA, None, "test"):
         assert fake_driver.current == OWNER_CTX
         raise KeyError("after the push")
     assert fake_driver.current == OTHER_CTX and fake_driver.stack == []
     # ready(): through the door with nothing posted, nothing left pushed.
-    gcuda.ready(pair.a, ptr, CUDA, None, "test")
+    gcuda.ready(pair.a._engine, ptr, CUDA, None, "test")
     assert fake_driver.current == OTHER_CTX and fake_driver.stack == []
 
 
@@ -168,11 +169,12 @@ def test_blocking_receive_waits_outside_the_door(
     )
     seen = []
 
-    def block(worker, slot, timeout, keep=None):
+    def block(engine, slot, timeout, keep=None, *args):
         seen.append((fake_driver.current, list(fake_driver.stack)))
         return 0  # finished
 
-    monkeypatch.setattr(module, "block", block)
+    # The engine's block: the wait of every blocking operation.
+    monkeypatch.setattr(Engine, "block", block)
     call(pair, FakeCudaArrayV2(arr))
     kinds = [e[0] for e in events]
     post = kinds.index("post")

@@ -237,17 +237,18 @@ def test_put_get_host_one_sided_open_once(drv, lib_path, blocking):
 
 
 def test_probe_asked_for_ucx_bypasses_the_own_path(drv, lib_path):
-    """``protocols.probe(..., ucx=True)`` posts to UCX even where gpucx's own
-    path would take the put (the bench's C loops post to UCX directly, and
-    their rows must say what UCX did); without it the own path answers."""
-    from gpucx import protocols
+    """``gpucx.ops.rma.probe(..., ucx=True)`` posts to UCX even where
+    gpucx's own path would take the put (the bench's C loops post to UCX
+    directly, and their rows must say what UCX did); without it the own
+    path answers."""
+    from gpucx.ops import rma as _rma
 
     with session(lib_path) as (q, w, ep, key):
         src = pattern(1)[:4096]
-        own = protocols.probe(ep, "put", src, key, timeout=30)
+        own = _rma.probe(ep, "put", src, key, timeout=30)
         assert own.description == "gpucx cuda_ipc copy"
         before = counts(drv)["copies"]
-        row = protocols.probe(ep, "put", src, key, 8192, timeout=30, ucx=True)
+        row = _rma.probe(ep, "put", src, key, 8192, timeout=30, ucx=True)
         assert counts(drv)["copies"] == before  # no copy-engine copy
         assert row is None or row.source != "gpucx"
         assert row is None or "cuda_ipc copy" not in row.description
@@ -369,7 +370,7 @@ def test_threads_progressing_one_worker_finish_each_copy_once(drv, lib_path):
         kind, rest = q.get(60)
         notes = [n for n, _ in first + rest]
         assert sorted(notes) == sorted([b"n%d" % i for i in range(8)] + [b"last"])
-        assert not w._copies
+        assert not w._engine.copies
 
 
 def _elsewhere(remote):

@@ -445,8 +445,8 @@ async def test_peer_killed_mid_transfer_to_us(tls):
 def _held(lw) -> list:
     """Operations of ``lw``'s worker that UCX has not let go of."""
     w = lw.w
-    return [r for r in w._pending if r._slot.status == INPROGRESS] + [
-        s for s, _ in w._parked if s.status == INPROGRESS
+    return [r for r in w._engine.pending if r._slot.status == INPROGRESS] + [
+        s for s, *_ in w._engine.parked if s.status == INPROGRESS
     ]
 
 

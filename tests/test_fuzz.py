@@ -430,7 +430,9 @@ def test_array_header_refused(header, nbytes, match):
 def _hostile_send(ep, header, payload, proto):
     """What a hostile peer does: a raw AM on the arrays id, reply endpoint
     set, any header and payload."""
-    return _am._send_nb(ep, _am.ARRAY_AM_ID, payload, header, _am._flags(True, proto))
+    return _am._send_nb(
+        ep, _am.ARRAY_AM_ID, payload, header, _am.send_flags(True, proto)
+    )
 
 
 def _host_buffer(nbytes, memory_type):
@@ -511,7 +513,7 @@ def test_fuzz_hostile_array_messages(profile):
         run("hostile array messages (UCX)", profile, _message_cases(), body)
         out = _recv_one(pair, _arrays._pack("<i4", (2, 3), 0), good.tobytes(), None)
         assert np.array_equal(out, good)
-        assert not pair.b._am.arrays
+        assert not pair.b._engine.am.arrays
     finally:
         ctx.close()
 
@@ -576,7 +578,7 @@ def test_fuzz_notify_messages(profile):
     def body(case):
         header, payload, proto = case
         req = _am._send_nb(
-            pair.ab, _rma.NOTIFY_AM_ID, payload, header, _am._flags(True, proto)
+            pair.ab, _rma.NOTIFY_AM_ID, payload, header, _am.send_flags(True, proto)
         )
         pair.drive(req)
         got = []

@@ -269,11 +269,11 @@ def _send_cuda_labelled(pair, nbytes=64):
     """An array message whose header says CUDA (the payload is host bytes)."""
     header = _arrays._pack("<u1", (nbytes,), CUDA)
     payload = bytes(range(nbytes))
-    flags = _am._flags(True, "rndv")
+    flags = _am.send_flags(True, "rndv")
     # Rendezvous: the send completes once the receiver took the data.
     send = _am._send_nb(pair.ab, _am.ARRAY_AM_ID, payload, header, flags)
     end = time.monotonic() + 10
-    while not pair.b._am.arrays:
+    while not pair.b._engine.am.arrays:
         pair.a.progress()
         pair.b.progress()
         assert time.monotonic() < end
@@ -391,8 +391,26 @@ def _setup_fake(fake_driver, pair, monkeypatch, arr, device=1, polls=3):
     fake_driver.polls = polls
     events = []
     fake_driver.observer = lambda call: events.append(call)
-    monkeypatch.setattr(pair.a, "progress", lambda: events.append(("progress",)) or 0)
+    _spy_progress(monkeypatch, pair.a, events, real=False)
     return events
+
+
+def _spy_progress(monkeypatch, worker, events, real=True):
+    """Record each progress call of ``worker``'s engine in ``events`` (the
+    CUDA door progresses the engine while it waits for a stream); with
+    ``real=False`` the worker is not progressed at all."""
+    from gpucx._engine import Engine
+
+    progress = Engine.progress
+    mine = worker._engine
+
+    def spy(e):
+        if e is not mine:
+            return progress(e)
+        events.append(("progress",))
+        return progress(e) if real else 0
+
+    monkeypatch.setattr(Engine, "progress", spy)
 
 
 @pytest.mark.parametrize(
@@ -711,10 +729,7 @@ def test_atomic_waits_for_stream_with_progress_then_posts(
     fake_driver.devices = 1
     events: list = []
     fake_driver.observer = events.append
-    real_progress = a.progress
-    monkeypatch.setattr(
-        a, "progress", lambda: events.append(("progress",)) or real_progress()
-    )
+    _spy_progress(monkeypatch, a, events)
     names = {"gpucx_atomic_wait", "gpucx_atomic"}
     monkeypatch.setattr(_atomic, "lib", PassSpy(_atomic.lib, names, events))
     stop = threading.Event()

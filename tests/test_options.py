@@ -56,10 +56,10 @@ def test_import_never_fails_on_a_bad_environment():
 def test_spin_from_environment_and_config(monkeypatch):
     monkeypatch.setenv("GPUCX_SPIN_US", "7")
     with gpucx.Context(config={"TLS": "tcp"}) as ctx:
-        assert ctx.create_worker()._spin_ns == 7000
+        assert ctx.create_worker()._engine.spin_ns == 7000
     with gpucx.Context(config={"GPUCX_SPIN_US": 0}) as ctx:  # config wins
         p = Pair(ctx)
-        assert p.a._spin_ns == 0
+        assert p.a._engine.spin_ns == 0
         # Blocking calls work without any spinning.
         buf = np.zeros(4, np.uint8)
         r = p.b.recv_nb(buf, tag=3)
@@ -68,7 +68,7 @@ def test_spin_from_environment_and_config(monkeypatch):
         assert buf.tolist() == [0, 1, 2, 3]
     monkeypatch.setenv("GPUCX_PEER_CHECK_INTERVAL", "0.25")
     with gpucx.Context() as ctx:
-        assert ctx.create_worker()._peer_interval == 0.25
+        assert ctx.create_worker()._engine.peer_interval == 0.25
 
 
 def test_payload_already_received_is_one_error_type(pair):

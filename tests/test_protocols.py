@@ -11,6 +11,7 @@ import pytest
 
 import gpucx
 from gpucx import protocols as P
+from gpucx.ops import rma as _rma
 
 from conftest import TRANSPORTS, channel_pair, join_ok, spawn
 
@@ -212,13 +213,13 @@ def test_query_between_workers(pair2):
     region = ctx.register(rbuf)
     rkey = ab.unpack(region.remote())
     for op in ("put", "get"):
-        req, row = P.probe_nb(ab, op, big, rkey)
+        req, row = _rma.probe_nb(ab, op, big, rkey)
         _drive(a, b, req)
         assert row is not None and row.op == op and row.source == "ucp_request_query"
         assert row.start == row.end == 1 << 20 and row.remote_memory == "host"
         assert ab.protocol(op, 1 << 20, ("host", "host")) == row
     with pytest.raises(ValueError, match="probe: op"):
-        P.probe_nb(ab, "tag", big, rkey)
+        _rma.probe_nb(ab, "tag", big, rkey)
     ab.close()
     with pytest.raises(gpucx.ClosedError):
         ab.protocols()
@@ -296,7 +297,7 @@ def test_no_warning_without_error_handling(monkeypatch):
         rkey = ab.unpack(ctx.register(dst).remote())
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            req, row = P.probe_nb(ab, "get", np.ones(1 << 20, np.uint8), rkey)
+            req, row = _rma.probe_nb(ab, "get", np.ones(1 << 20, np.uint8), rkey)
             _drive(a, b, req)
         if row is not None and row.slow:
             pytest.skip(f"UCX emulates gets here too ({row})")
@@ -340,7 +341,7 @@ def test_query_across_processes(tls):
             ours.put("go on")  # the owner progresses until its recv is done
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", gpucx.SlowPathWarning)
-                row = P.probe(ep, "get", np.zeros(4096, np.uint8), rkey, timeout=30)
+                row = _rma.probe(ep, "get", np.zeros(4096, np.uint8), rkey, timeout=30)
             assert row is not None and row.op == "get" and row.covers(4096)
             assert ep.protocol("get", 4096) == row
             ours.put("done")

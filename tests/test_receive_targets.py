@@ -82,7 +82,7 @@ def test_am_send_and_send_array_return_with_the_buffer_reusable(pair, proto):
     assert (out == 7).all()
     arr = np.arange(1 << 14, dtype=np.int32)
     req = pair.ab.send_array_nb(arr, proto=proto)
-    while not pair.b._am.arrays:
+    while not pair.b._engine.am.arrays:
         pair.a.progress()
         pair.b.progress()
     res = []

@@ -584,15 +584,9 @@ _INPROGRESS = gpucx._lib.lib.UCS_INPROGRESS
 
 
 def _parked_with(worker, key) -> int:
-    """Operations parked on ``worker`` that UCX still holds, keeping ``key``."""
-    return sum(
-        1
-        for slot, keep in worker._parked
-        if slot.status == _INPROGRESS
-        and type(keep) is tuple
-        and len(keep) > 1
-        and keep[1] is key
-    )
+    """Operations parked on ``worker`` that UCX still holds, using ``key``
+    (as each names the keys it uses when it is made)."""
+    return len(worker._engine.holding(key)[1])
 
 
 def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
@@ -600,7 +594,7 @@ def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
     target does not progress, UCX cannot withdraw it) is parked with its
     key; closing the key must not free the ``ucp_rkey_h`` under it.  The
     key is freed once UCX let go of the put."""
-    from gpucx import _liveness
+    from gpucx import _engine
     from gpucx.mem import remote as _remote
 
     mem, region, key = exported(pair, 1 << 20)
@@ -614,7 +608,7 @@ def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
         pytest.skip(f"the put completed without its target here ({row})")
     spy = _DestroySpy(_remote.lib, pair.a, key)
     monkeypatch.setattr(_remote, "lib", spy)
-    monkeypatch.setattr(_liveness, "lib", spy)  # the worker's deferred free
+    monkeypatch.setattr(_engine, "lib", spy)  # the engine's deferred free
     key.close(timeout=0.2)  # the target is idle: the put stays in UCX's hands
     assert key.closed
     assert spy.calls == []  # never freed while the put holds it
@@ -622,18 +616,21 @@ def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
         deadline = time.monotonic() + 10
         while _parked_with(pair.a, key) or not spy.calls:
             pair.a.progress()
-            assert time.monotonic() < deadline, (spy.calls, pair.a._parked)
+            assert time.monotonic() < deadline, (spy.calls, pair.a._engine.parked)
     assert spy.calls == [0]
     assert np.array_equal(mem, src)
     region.close()
 
 
 def test_key_close_waits_for_the_operations_holding_it_only(pair, monkeypatch):
-    """A key's close asks its worker which pending operations hold that key
-    (gpucx._internal.pending_holding): it never frees the key under one of
-    them, and it does not wait for operations on another key."""
-    from gpucx._internal import pending_holding
+    """A key's close asks its worker's engine which pending operations hold
+    that key (Engine.holding: each operation names the keys it uses): it
+    never frees the key under one of them, and it does not wait for
+    operations on another key."""
     from gpucx.mem import remote as _remote
+
+    def pending_holding(worker, key):
+        return worker._engine.holding(key)[0]
 
     mem, region, key = exported(pair, 1 << 22)
     _, other_region, other = exported(pair, 64)
@@ -671,7 +668,7 @@ def test_worker_close_after_a_key_closed_under_a_parked_put(pair, target_progres
     if not _parked_with(pair.a, key):
         pytest.skip("the put completed without its target here")
     key.close(timeout=0.2)
-    assert pair.a._parked_keys
+    assert pair.a._engine.parked_keys
     t0 = time.monotonic()
     if target_progresses:
         with background(pair.b):
@@ -679,5 +676,5 @@ def test_worker_close_after_a_key_closed_under_a_parked_put(pair, target_progres
     else:
         pair.a.close(timeout=0.5)
     assert pair.a.closed and time.monotonic() - t0 < 10
-    assert not pair.a._parked_keys
+    assert not pair.a._engine.parked_keys
     region.close()

@@ -91,7 +91,7 @@ def test_thousand_outstanding_requests(pair, tls):
     results = pair.drive(*recvs, *sends, timeout=30)
     assert [r.tag for r in results[:n]] == list(range(n))
     assert np.array_equal(outs[:, 0], np.arange(n))
-    assert not pair.a._pending and not pair.b._pending
+    assert not pair.a._engine.pending and not pair.b._engine.pending
 
 
 def test_fire_and_forget_sends_are_swept(pair):
@@ -101,7 +101,7 @@ def test_fire_and_forget_sends_are_swept(pair):
     for i in range(5000):
         pair.ab.send_nb(np.full(1 << 14, i, np.int32), tag=99)  # rendezvous
         pair.drive(pair.b.recv_nb(out, tag=99))
-        peak = max(peak, len(pair.a._pending))
+        peak = max(peak, len(pair.a._engine.pending))
     assert out[0] == 4999
     assert peak <= 1024
 

@@ -93,7 +93,7 @@ def _progress_until(a, b, cond, seconds=20.0):
         a.progress()
         b.progress()
     assert cond()
-    while any(s.status == INPROGRESS for s, _ in a._parked):
+    while any(s.status == INPROGRESS for s, *_ in a._engine.parked):
         assert time.monotonic() < end, "timed-out operations never finished"
         a.progress()
         b.progress()

@@ -1,6 +1,6 @@
-"""The wait helpers of gpucx.request: wait_for and wait_closing (the loops
-that listener accept, recv_array, notifications, endpoint close and the
-benchmark's control channel go through)."""
+"""The waits of a worker's engine (gpucx._engine): wait_for and wait_closing
+(the loops that listener accept, recv_array, notifications, endpoint close
+and the benchmark's control channel go through)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ import numpy as np
 import pytest
 
 import gpucx
-from gpucx.request import wait_closing, wait_for
 
 from conftest import Pair
+
+
+def wait_for(worker, *args, **kwargs):
+    return worker._engine.wait_for(*args, **kwargs)
+
+
+def wait_closing(worker, done, end, others=()):
+    return worker._engine.wait_closing(done, end, [o._engine for o in others])
+
 
 pytestmark = pytest.mark.timeout(30)
 

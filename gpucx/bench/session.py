@@ -19,9 +19,8 @@ import time
 
 import gpucx
 
-from .._internal import abandon
+from .._internal import abandon, engine
 from .._lib import lib
-from ..request import wait_for
 from .errors import BenchSetupError
 
 __all__ = [
@@ -147,6 +146,7 @@ class Session:
         device: int = 0,
         timeout: float = 120.0,
         parent_pid: int | None = None,
+        proc: subprocess.Popen | None = None,
     ):
         self.ctx = ctx
         self.worker = worker
@@ -155,7 +155,8 @@ class Session:
         self.device = device
         self.timeout = timeout
         self._parent_pid = parent_pid
-        self._proc: subprocess.Popen | None = None
+        # The peer process this session started (a local run), or None.
+        self._proc = proc
         #: Set once the peer acknowledged ``quit``: it then exits by itself.
         self.finished = False
         #: Set when a failed C loop left operations UCX would not cancel
@@ -211,7 +212,7 @@ class Session:
             req.cancel()
             raise PeerGone(why)
 
-        if not wait_for(w, req.done, timeout, None, healthy, poll=spin):
+        if not engine(w).wait_for(req.done, timeout, None, healthy, poll=spin):
             req.cancel()
             w.progress()
             raise gpucx.TimeoutError(
@@ -330,9 +331,7 @@ def spawn_local(
         proc.kill()
         proc.wait()
         raise
-    s = Session(ctx, w, ep, role="client", device=device, timeout=timeout)
-    s._proc = proc
-    return s
+    return Session(ctx, w, ep, role="client", device=device, timeout=timeout, proc=proc)
 
 
 def connect_remote(

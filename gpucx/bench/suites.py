@@ -23,11 +23,11 @@ from typing import Any
 
 import numpy
 
-from .. import protocols as _protocols
-from .._internal import am_recv_registration, handle, park, rkey_handle
+from .._internal import am_recv_registration, engine, handle, park, rkey_handle
 from .._lib import ffi, lib
 from ..mem.buffer import acquire
-from ..request import INPROGRESS, raise_status, wait_for
+from ..ops import rma as _rma
+from ..request import INPROGRESS, raise_status
 from .errors import BenchSetupError
 from .memory import MEMORY_KINDS, alloc
 from .session import ACK_TAG, DATA_TAG, BadControlMessage, quote, reply_field
@@ -274,7 +274,9 @@ class Bench:
         st = fn(
             w, ep, *head, sp, smt, rp, rmt, n, *tail, self.timeout_ns, slots, rtt_p, out
         )
-        settle(self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}")
+        raise_after_loop(
+            self.s, st, slots, 2, (skeep, rkeep, rtt), f"bench {self.name}"
+        )
 
     def c_acked_stream(self, fn, head: tuple, tail: tuple, buf, receiving: bool) -> int:
         """One run of a C bandwidth loop that ends with the receiver's
@@ -301,7 +303,7 @@ class Bench:
             ack,
             out,
         )
-        settle(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
+        raise_after_loop(self.s, st, slots, nslots, (keep, ack), f"bench {self.name}")
         return out[0]
 
     def run_prepared(self, prepare, entry, n: int, finish) -> int:
@@ -370,7 +372,7 @@ def spin_wait(sess, req, timeout: float):
     belong to the worker and would not fail), the deadline ends in
     ``req.wait``, which raises.
 
-    Written out rather than through ``request.wait_for(poll=True)``: it is
+    Written out rather than through the engine's ``wait_for(poll=True)``: it is
     on the measured path of the Python API's receivers, and ``req.done()``
     progresses itself, so each poll is one progress call, not two.
     """
@@ -392,7 +394,7 @@ def c_slots(n: int):
     return ffi.new("gpucx_slot_t[]", n)
 
 
-def settle(sess, st: int, slots, n: int, keep, what: str) -> None:
+def raise_after_loop(sess, st: int, slots, n: int, keep, what: str) -> None:
     """After a C loop: raise its error, parking the slots UCX still holds.
 
     A rendezvous send to a peer that stopped answering cannot be canceled:
@@ -540,7 +542,8 @@ class _AmBase(Bench):
     def _take(self):
         # Busy-polls like ucx_perftest's receiver (see spin_wait).
         what = f"bench {self.name}: no active message"
-        wait_for(self.s.worker, lambda: self.inbox, self.p.timeout, what, poll=True)
+        wait = engine(self.s.worker).wait_for
+        wait(lambda: self.inbox, self.p.timeout, what, poll=True)
         msg = self.inbox.popleft()
         if msg.is_rndv:
             msg.receive_into(self.rbuf).wait(self.p.timeout)
@@ -664,8 +667,7 @@ class AmBw(_AmBase):
                 if pending:
                     pending.popleft().wait(t)
                 else:
-                    wait_for(
-                        worker,
+                    engine(worker).wait_for(
                         lambda: pending or self.arrived >= n,  # noqa: B023
                         t,
                         what,
@@ -808,7 +810,7 @@ class _RmaBase(Bench):
 
     def _probe(self, rmem):
         """One more put or get, after the measurement, that asks UCX which
-        protocol it took (gpucx.protocols.probe: put and get are not in
+        protocol it took (gpucx.ops.rma.probe: put and get are not in
         the endpoint's tables unless UCX's PROTO_INFO is on)."""
         if self.protocol_op not in ("put", "get"):
             return None
@@ -816,7 +818,7 @@ class _RmaBase(Bench):
         # The C loops post to UCX directly, never on gpucx's own path: their
         # rows report what UCX does.
         c_loop = not self.p.use_async and self.p.api == "c"
-        return _protocols.probe(
+        return _rma.probe(
             self.s.ep, self.protocol_op, buf, rmem, timeout=self.p.timeout, ucx=c_loop
         )
 
@@ -847,7 +849,7 @@ class _RmaBw(_RmaBase):
             slots,
             out,
         )
-        settle(self.s, st, slots, nslots, (keep, rmem), f"bench {self.name}")
+        raise_after_loop(self.s, st, slots, nslots, (keep, rmem), f"bench {self.name}")
         return out[0]
 
     def run(self, extra: dict) -> dict:

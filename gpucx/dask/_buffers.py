@@ -72,7 +72,7 @@ class ReceiveCache:
         owner = ffi.gc(ffi.from_buffer(blk), _Return(self, blk))
         return memoryview(ffi.buffer(owner, nbytes))
 
-    def _put(self, blk: np.ndarray) -> None:
+    def put_back(self, blk: np.ndarray) -> None:
         n = blk.nbytes
         now = time.monotonic()
         with self._lock:
@@ -143,4 +143,4 @@ class _Return:
         self._blk = blk
 
     def __call__(self, _cdata) -> None:
-        self._cache._put(self._blk)
+        self._cache.put_back(self._blk)

@@ -25,6 +25,9 @@ from dask.utils import parse_bytes, parse_timedelta
 
 import gpucx
 import gpucx.aio
+from gpucx import _internal
+from gpucx._internal import engine
+from gpucx.request import in_flight
 
 from ._buffers import ReceiveCache
 from ._framing import ENTRY, HEADER, Limits
@@ -245,7 +248,7 @@ def context() -> gpucx.Context:
     cfg = context_config()
     key = (os.getpid(), repr(sorted(cfg.items())))
     ctx = _contexts.get(key)
-    if ctx is None or ctx._h is None:
+    if ctx is None or ctx.closed:
         for k in [k for k in _contexts if k[0] != key[0]]:
             del _contexts[k]  # a parent's, after a fork: not ours to use
         ctx = _contexts[key] = gpucx.Context(features={"tag", "am"}, config=cfg)
@@ -261,7 +264,7 @@ class LoopWorker:
         self.w = self.aw.worker
         self.refs = 0
         self.parked: list = []  # data endpoints closed once idle
-        self.stranded: list = []  # (slot, nbytes) of operations given up
+        self.stranded: list = []  # (request, nbytes) of operations given up
         self.stranded_warned = False
         self._early: dict = {}  # Endpoint -> HELLO bytes
         self._waiting: dict = {}  # Endpoint -> Future
@@ -301,16 +304,12 @@ class LoopWorker:
     def strand(self, req, nbytes: int) -> None:
         """A comm gave up on ``req`` (``nbytes``): count it as stranded
         while UCX still holds it (see :func:`data_endpoints_allowed`)."""
-        from gpucx.request import INPROGRESS
-
-        if req._slot.status == INPROGRESS:
-            self.stranded.append((req._slot, nbytes))
+        if in_flight(req):
+            self.stranded.append((req, nbytes))
 
     def stranded_bytes(self) -> int:
         """Bytes of given-up operations UCX has not let go of yet."""
-        from gpucx.request import INPROGRESS
-
-        self.stranded = [(s, n) for s, n in self.stranded if s.status == INPROGRESS]
+        self.stranded = [(r, n) for r, n in self.stranded if in_flight(r)]
         return sum(n for _, n in self.stranded)
 
     def close(self) -> None:
@@ -329,7 +328,7 @@ class LoopWorker:
                 end.aclose().send(None)
             except (StopIteration, RuntimeError):
                 pass
-        if self.w._h is not None:
+        if not self.w.closed:
             self._drain()
             self.aw.close(timeout=1.0)
 
@@ -401,7 +400,7 @@ def acquire(s: Settings) -> LoopWorker:
     """The running loop's worker, with one more user."""
     loop = asyncio.get_running_loop()
     lw = _workers.get(loop)
-    if lw is None or lw.w._h is None:
+    if lw is None or lw.w.closed:
         _sweep_closed_loops()
         lw = LoopWorker(loop, s.progress, s.spin_us)
         _workers[loop] = lw
@@ -433,11 +432,10 @@ def identity() -> tuple[int, int, bytes, int]:
 
 def watch_peer(lw: LoopWorker, ep, pid: int, start: int, boot: bytes, ns: int) -> None:
     """Check the peer process's liveness when it runs on this host."""
-    from gpucx import _liveness
     from gpucx._address import Identity, is_local
 
     if pid != os.getpid() and is_local(Identity(pid, start, boot, ns)):
-        _liveness.watch(lw.w, ep.endpoint, pid, start)
+        _internal.watch_peer(ep.endpoint, pid, start)
 
 
 def new_tag() -> int:
@@ -564,7 +562,7 @@ def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
         ep = lw.w.connect(bytes(address), error_handling=False)
     except gpucx.UCXError:
         return None
-    return gpucx.aio.Endpoint(ep, lw.aw._drv)
+    return gpucx.aio.Endpoint(ep, lw.aw.driver)
 
 
 def close_data_endpoint(lw: LoopWorker, dep) -> None:
@@ -582,14 +580,12 @@ def close_data_endpoint(lw: LoopWorker, dep) -> None:
 
 def sweep_parked(lw: LoopWorker) -> None:
     """Flush-close the parked data endpoints that have nothing pending."""
-    from gpucx.request import INPROGRESS
-
-    if not lw.parked or lw.w._h is None:
+    if not lw.parked or lw.w.closed:
         return
-    busy = {r._ep for r in lw.w._pending if r._slot.status == INPROGRESS}
+    busy = engine(lw.w).busy_endpoints()
     keep = []
     for ep in lw.parked:
-        if ep._h is None:
+        if ep.closed:
             continue
         if ep in busy:
             keep.append(ep)

@@ -33,6 +33,7 @@ from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.utils import ensure_ip, get_ip
 
 import gpucx
+from gpucx._internal import fail_dead_peer
 from gpucx.mem import as_buffer
 from gpucx.mem.memtype import MemoryType
 
@@ -167,7 +168,7 @@ class GpucxComm(Comm):
         self._broken: str | None = None
         self._recvs: set = set()
         self._released = False
-        self._dep_handed = False  # the data endpoint went to _settle_data_endpoint
+        self._dep_handed = False  # the data endpoint went to _retire_data_endpoint
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
@@ -212,7 +213,7 @@ class GpucxComm(Comm):
             # apart (it holds the worker meanwhile).
             self._dep_handed = True
             self._lw.refs += 1
-            asyncio.ensure_future(_settle_data_endpoint(self._lw, dep, peer, str(err)))
+            asyncio.ensure_future(_retire_data_endpoint(self._lw, dep, peer, str(err)))
         self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
@@ -228,16 +229,21 @@ class GpucxComm(Comm):
             dep is not None
             and dep is not self._ep
             and not self._dep_handed
-            and dep.endpoint._h is not None
+            and not dep.endpoint.closed
         ):
             # No peer error handling there: fail its operations now (UCX
             # would not), as gpucx's liveness check would a moment later.
-            from gpucx import _liveness
+            fail_dead_peer(dep.endpoint, reason)
+        self._lw.aw.driver.kick()
 
-            _liveness.peer_died(self._w, dep.endpoint, reason)
-        self._lw.aw._drv.kick()
+    def endpoint_failed(self, ep, err) -> None:
+        """The connection endpoint ``ep`` failed (or closed) with ``err``
+        (:func:`_watch_endpoint`): the comm breaks if it is still this
+        comm's."""
+        if self._ep is ep:
+            self._endpoint_closed(err)
 
-    def _peer_exited(self) -> None:
+    def peer_exited(self) -> None:
         """The peer process's pidfd became readable: it exited."""
         peer = self._peer
         if peer is None or peer.fd < 0:
@@ -467,7 +473,7 @@ class GpucxComm(Comm):
         try:
             if self._drain():
                 self._peer_closed = True  # nothing to tell the peer
-            elif self._broken is None and self._ep.endpoint._h is not None:
+            elif self._broken is None and not self._ep.endpoint.closed:
                 req = self._dep.send_nb(fr.close_message(), self._stag)
                 await asyncio.wait_for(self._dep.aflush(), self._settings.close_timeout)
                 await req
@@ -544,7 +550,7 @@ class GpucxComm(Comm):
         if not self._released:
             self._released = True
             try:
-                self._lw.aw._drv.kick()
+                self._lw.aw.driver.kick()
             except Exception:
                 pass
             rt.release(self._lw)
@@ -583,24 +589,22 @@ async def _watch_endpoint(ref, ep) -> None:
     except asyncio.CancelledError:
         return
     comm = ref()
-    if comm is not None and comm._ep is ep:
-        comm._endpoint_closed(err)
+    if comm is not None:
+        comm.endpoint_failed(ep, err)
 
 
 def _on_peer_exit(ref) -> None:
     comm = ref()
     if comm is not None:
-        comm._peer_exited()
+        comm.peer_exited()
 
 
-async def _settle_data_endpoint(
+async def _retire_data_endpoint(
     lw: rt.LoopWorker, dep, peer: rt.PeerProcess, reason: str
 ):
     """Fail (peer died) or flush-close (peer lives on) the data endpoint of
     a comm whose connection broke while the peer process still ran; then
     drop the worker reference the comm took for this task."""
-    from gpucx import _liveness
-
     try:
         alive = True
         for _ in range(_DEATH_GRACE_STEPS):
@@ -608,11 +612,11 @@ async def _settle_data_endpoint(
                 alive = False
                 break
             await asyncio.sleep(0.005)
-        if not alive and dep.endpoint._h is not None:
-            _liveness.peer_died(lw.w, dep.endpoint, f"peer failed: {reason}")
-            lw.aw._drv.kick()
+        if not alive:
+            fail_dead_peer(dep.endpoint, f"peer failed: {reason}")
+            lw.aw.driver.kick()
     finally:
-        if lw.w._h is not None:
+        if not lw.w.closed:
             rt.close_data_endpoint(lw, dep)
         rt.release(lw)
 

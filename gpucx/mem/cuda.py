@@ -957,7 +957,7 @@ class _OnDevice:
 
 
 def prepare(
-    worker: Any,
+    engine: Any,
     ptr: Any,
     memory_type: int,
     stream: Any,
@@ -967,13 +967,14 @@ def prepare(
     """Get ready to post an operation on ``ptr``; call before posting.
 
     For CUDA memory: check that the worker's context can move it, make the
-    owning device current.  For a ``stream``: wait, progressing ``worker``,
+    owning device current.  For a ``stream``: wait, progressing the worker,
     until the work queued on it before the call has finished.
 
     Parameters
     ----------
-    worker : Worker
-        Progressed while waiting for the stream.
+    engine : gpucx._engine.Engine
+        The worker's progress engine: its context says what it can move,
+        and it is progressed while waiting for the stream.
     ptr : int or cdata
         Address of the buffer.
     memory_type : int
@@ -1011,16 +1012,16 @@ def prepare(
     held = keep.stream if type(keep) is Deferred else None
     pushed, ctx = False, 0
     if memory_type in _CUDA_INTS:
-        check(worker._context, what)
+        check(engine.context, what)
         if not isinstance(ptr, int):
             ptr = int(_ffi().cast("uintptr_t", ptr))
         pushed, ctx = _enter(driver(), ptr, -1)
     if handle is not None or held is not None:
         try:
             if held is not None:
-                wait_stream(held, worker.progress, what, ctx)
+                wait_stream(held, engine.progress, what, ctx)
             if handle is not None and handle != held:
-                wait_stream(handle, worker.progress, what, ctx)
+                wait_stream(handle, engine.progress, what, ctx)
         except BaseException:
             if pushed:
                 driver().pop()
@@ -1029,7 +1030,7 @@ def prepare(
 
 
 def copy_in(
-    worker: Any,
+    engine: Any,
     dst: Any,
     memory_type: int,
     src: Any,
@@ -1050,7 +1051,7 @@ def copy_in(
     gpucx.UnsupportedError
         As for :func:`prepare`.
     """
-    pushed = prepare(worker, dst, memory_type, stream, what, keep)
+    pushed = prepare(engine, dst, memory_type, stream, what, keep)
     try:
         ffi = _ffi()
         driver().memcpy(
@@ -1068,7 +1069,7 @@ def leave(pushed: bool) -> None:
 
 class door:
     """The one door for posting an operation on CUDA memory, or one given a
-    ``stream``: ``with door(worker, ptr, memory_type, stream, what):`` runs
+    ``stream``: ``with door(engine, ptr, memory_type, stream, what):`` runs
     :func:`prepare` on entry and :func:`leave` on exit, whatever happens in
     between, so that a failure can never leave a device context pushed.
 
@@ -1080,14 +1081,14 @@ class door:
 
     def __init__(
         self,
-        worker: Any,
+        engine: Any,
         ptr: Any,
         memory_type: int,
         stream: Any,
         what: str,
         keep: Any = None,
     ) -> None:
-        self._args = (worker, ptr, memory_type, stream, what, keep)
+        self._args = (engine, ptr, memory_type, stream, what, keep)
         self._pushed = False
 
     def __enter__(self) -> None:
@@ -1100,13 +1101,13 @@ class door:
 
 
 def ready(
-    worker: Any, ptr: Any, memory_type: int, stream: Any, what: str, keep: Any = None
+    engine: Any, ptr: Any, memory_type: int, stream: Any, what: str, keep: Any = None
 ) -> None:
     """Pass the :class:`door` without posting through it: check that the
     context can move ``ptr``'s memory and wait for ``stream`` (and the
     stream a :class:`~gpucx.mem.buffer.Deferred` ``keep`` carries), leaving
     no context pushed (for operations that post later, or not to UCX)."""
-    if prepare(worker, ptr, memory_type, stream, what, keep):
+    if prepare(engine, ptr, memory_type, stream, what, keep):
         driver().pop()
 
 

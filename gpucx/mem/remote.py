@@ -56,10 +56,9 @@ import time
 import zlib
 
 from .._handle import Handle, raise_closed, time_left
-from .._internal import defer_to_closing, handle, parked_holding, pending_holding
+from .._internal import defer_to_closing, engine
 from .._lib import ffi, lib
 from ..errors import check
-from ..request import settle, settle_slots
 from .memtype import CUDA_TYPES, MemoryType
 
 __all__ = [
@@ -518,20 +517,20 @@ class RemoteKey(Handle):
             close()
             self._ipc = "closed"
         ep = self.endpoint
-        w = ep.worker
-        wh = handle(w)
-        pending = pending_holding(w, self)
-        parked = parked_holding(w, self)
-        if (pending or parked) and wh is not None:
+        e = engine(ep)
+        # The operations that use this key, in flight or given up while UCX
+        # held them (each names the keys it uses when it is made).
+        pending, parked = e.holding(self)
+        if (pending or parked) and e.h is not None:
             if defer_to_closing(ep, self._h):
                 return
             end = time.monotonic() + time_left(self._deadline)
-            if not settle(wh, pending, end):
+            if not e.drain(pending, end):
                 # UCX may still read the key: never free it under UCX.
                 return
-            if not settle_slots(wh, parked, end):
-                # A timed-out operation UCX still holds: the worker frees
-                # the key once UCX let go of it (gpucx._liveness).
-                w._parked_keys.append((self._h, parked))
+            if not e.drain_slots(parked, end):
+                # A timed-out operation UCX still holds: the engine frees
+                # the key once UCX let go of it.
+                e.park_key(self._h, parked)
                 return
         lib.gpucx_rkey_destroy(self._h)

@@ -7,10 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._handle import raise_closed
+from .._internal import engine, handle
 from .._lib import ffi
 from ..errors import ClosedError
 from ..mem import cuda as _cuda
-from ..request import Request, _new_settled, _Settled, finish
+from ..request import Request, _DoneAtPost, _new_done, finish
 
 
 class Prepared:
@@ -56,37 +57,44 @@ class Prepared:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def _engine(self):
+        """The progress engine of the endpoint's worker."""
+        return engine(self.endpoint)
+
     def _open(self):
-        """The worker and endpoint handle of a run; ClosedError if the
+        """The engine and endpoint handle of a run; ClosedError if the
         batch or its endpoint is closed."""
         if self._keep is None:
             raise ClosedError(f"{type(self).__name__} is closed")
         ep = self.endpoint
-        h = ep._h
-        if h is None:
+        if ep.closed:
             raise_closed(ep)
-        return ep._w, h
+        return engine(ep), handle(ep)
 
-    def _through_door(self, w, stream, what: str, run, *args):
+    def _through_door(self, e, stream, what: str, run, *args):
         """``run(*args)``, inside the CUDA door when the batch holds device
         memory or a ``stream`` is given (host batches skip it)."""
         if self._cuda_ptr is None and stream is None:
             return run(*args)
-        with _cuda.door(w, self._cuda_ptr or 0, self._cuda_mt, stream, what):
+        with _cuda.door(e, self._cuda_ptr or 0, self._cuda_mt, stream, what):
             return run(*args)
 
-    def _request(self, st: int, op, keep, what: str) -> Request:
+    def _request(self, st: int, op, keep, what: str, holds=None) -> Request:
         """The request of a run posted with status ``st`` (``run_nb``):
         settled when every item finished at the post, else tracked on the
-        run's own slot (``op.slot``), holding ``keep`` until it completes."""
+        run's own slot (``op.slot``), holding ``keep`` (and naming the
+        remote keys it uses, ``holds``) until it completes."""
         if st == 0:
-            return _new_settled(_Settled)
+            return _new_done(_DoneAtPost)
         ep = self.endpoint
-        return Request(ep._w, ffi.addressof(op, "slot"), keep, what, None, ep)
+        slot = ffi.addressof(op, "slot")
+        return Request(engine(ep), slot, keep, what, None, ep, None, holds)
 
-    def _finish(self, st: int, op, keep, what: str, timeout) -> None:
+    def _finish(self, st: int, op, keep, what: str, timeout, holds=None) -> None:
         """Complete a blocking run posted with status ``st`` (``run``): wait
         while it is pending, raise its first error."""
         if st:
             ep = self.endpoint
-            finish(ep._w, ffi.addressof(op, "slot"), st, timeout, what, ep, keep)
+            slot = ffi.addressof(op, "slot")
+            finish(engine(ep), slot, st, timeout, what, ep, keep, holds)

@@ -10,7 +10,7 @@ worker's C queue and keeps eager data alive (``UCS_INPROGRESS``).  After
 ``ucp_worker_progress`` returns, :func:`dispatch` pops the queue and runs the
 handlers in arrival order.  Every path that progresses a worker dispatches:
 :meth:`Worker.progress`, the waiting loop of blocking calls and
-``Request.wait`` (through ``Worker._poll_events``), and ``recv_array``.
+``Request.wait`` (through the engine's ``poll_events``), and ``recv_array``.
 
 Rules:
 
@@ -41,6 +41,7 @@ import warnings
 
 from .. import _bounds
 from .. import protocols as _protocols
+from .._engine import new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import (
@@ -57,12 +58,10 @@ from ..mem.memtype import CUDA_INTS as _CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..request import (
     Request,
-    _new_settled,
-    _Settled,
-    block,
+    _DoneAtPost,
+    _new_done,
     done_with,
     finish,
-    new_slot,
     posted,
     raise_status,
 )
@@ -100,7 +99,7 @@ _RECV = "am receive"
 
 
 class _AmWorker:
-    """Per-worker AM bookkeeping (``Worker._am``)."""
+    """Per-worker AM bookkeeping (the engine's ``am``)."""
 
     __slots__ = (
         "state",
@@ -121,17 +120,17 @@ class _AmWorker:
         "old_pools",
     )
 
-    def __init__(self, worker):
-        ctx = worker._context
+    def __init__(self, e):
+        ctx = e.context
         self.state = ffi.new("gpucx_am_state_t *")
         kept, queue = _bounds.caps(ctx, "am_kept"), _bounds.caps(ctx, "am_queue")
-        lib.gpucx_am_init(self.state, worker._h, ffi.new("size_t[4]", kept + queue))
+        lib.gpucx_am_init(self.state, e.h, ffi.new("size_t[4]", kept + queue))
         self.array_stats = _bounds.ArrayQueueStats(*_bounds.caps(ctx, "arrays"))
         self.warn_at = 0.0  # no drop warning before this time.monotonic()
         self.unhandled: set = set()  # ids warned about having no handler
         self.regs: dict = {}  # am_id -> gpucx_am_reg_t * (UCX holds a pointer)
         self.handlers: dict = {}  # am_id -> callable
-        self.live = [worker._h]  # set to None when the worker is destroyed
+        self.live = [e.h]  # set to None when the worker is destroyed
         self.busy = False
         self.max_header: int | None = None
         self.arrays: dict = {}  # reply-ep address -> deque of array messages
@@ -140,7 +139,7 @@ class _AmWorker:
         # to the pairs of popped messages whose data is not yet released.
         self.free: list = []
         self.held: dict = {}
-        self.enabled = "am" in worker._context.features
+        self.enabled = "am" in ctx.features
         # Ids used with posted receives: without a handler, their messages
         # that find no posted receive are kept for the next one (C side).
         self.recv_ids: set = set()
@@ -165,26 +164,27 @@ _recv_msg = lib.gpucx_am_recv_msg
 _new_slot = functools.partial(ffi.new, _SLOT_P)
 
 
-def attach(worker) -> None:
-    """Give ``worker`` its AM queue (:func:`gpucx.ops.arrays.attach` then
-    registers the internal array id on it).
+def attach(e) -> None:
+    """Give a new worker's engine ``e`` its AM queue (``e.am``, ``e.amq``;
+    :func:`gpucx.ops.arrays.attach` then registers the internal array id on
+    it).
 
     A context without the ``"am"`` feature cannot register handlers; the
     queue then just stays empty.
     """
-    am = _AmWorker(worker)
-    worker._am = am
-    worker._amq = am.state
-    lib.gpucx_progress_watch(worker._state, am.state, ffi.NULL)
+    am = _AmWorker(e)
+    e.am = am
+    e.amq = am.state
+    lib.gpucx_progress_watch(e.state, am.state, ffi.NULL)
 
 
-def give_back_unreceived(worker) -> None:
+def give_back_unreceived(e) -> None:
     """Release the messages nobody received yet (a closing worker, before
     its endpoints close): the kept and queued ones in C, with the receives
     still posted (canceled), and the array queues.  A rendezvous sender
     completes once its message is released.  What arrives later is released
     by :func:`detach`."""
-    am = worker._am
+    am = e.am
     for reg in am.regs.values():
         lib.gpucx_am_unpost_all(reg)
     lib.gpucx_am_release_queued(am.state)
@@ -196,10 +196,10 @@ def give_back_unreceived(worker) -> None:
     s.count = s.bytes = 0
 
 
-def detach(worker) -> None:
+def detach(e) -> None:
     """Release every queued message (before ``ucp_worker_destroy``)."""
-    am = worker._am
-    give_back_unreceived(worker)  # again: what arrived since the close began
+    am = e.am
+    give_back_unreceived(e)  # again: what arrived since the close began
     # Receives into pool buffers that ucp_worker_destroy cancels give their
     # buffer back instead of queueing (the pools live as long as ``am``).
     for pool, _keeps in [*am.pools.values(), *am.old_pools]:
@@ -208,7 +208,7 @@ def detach(worker) -> None:
     # Messages Python still holds give their UCX buffers back now (UCX frees
     # its pools with the worker); views of their data must not be used after.
     for rec, _slot in list(am.held.values()):
-        lib.gpucx_am_release(worker._h, rec)
+        lib.gpucx_am_release(e.h, rec)
     am.held.clear()
     am.free.clear()
     am.live[0] = None
@@ -256,15 +256,16 @@ def _retire(msg) -> None:
 _refs = sys.getrefcount
 
 
-def dispatch(worker) -> None:
-    """Run the handlers of queued messages, in arrival order.
+def dispatch(e) -> None:
+    """Run the handlers of queued messages, in arrival order (the engine's
+    ``on_am`` hook).
 
     Raises
     ------
     Exception
         Whatever a handler raised (the rest stays queued).
     """
-    am = worker._am
+    am = e.am
     if am.busy:
         return
     am.busy = True
@@ -280,7 +281,7 @@ def dispatch(worker) -> None:
                 free.append(pair)
                 break
             held[id(pair)] = pair
-            msg = AmMessage(worker, pair, am)
+            msg = AmMessage(e, pair, am)
             handler = handlers.get(msg.am_id)
             if handler is not None:
                 # The count before the call, not a constant: how many
@@ -359,7 +360,7 @@ class AmMessage:
         "nbytes",
         "is_rndv",
         "_reply_ep",
-        "_worker",
+        "_engine",
         "_pair",
         "_am",
         "_desc",
@@ -368,7 +369,7 @@ class AmMessage:
         "__weakref__",
     )
 
-    def __init__(self, worker, pair, am):
+    def __init__(self, e, pair, am):
         rec = pair[0]
         self.am_id = rec.id
         n = rec.header_length  # C copied a header of n > 0 bytes
@@ -377,7 +378,7 @@ class AmMessage:
         flags = rec.flags
         self.is_rndv = (flags & _RNDV) != 0
         self._reply_ep = None
-        self._worker = worker
+        self._engine = e
         self._pair = pair
         self._am = am
         # The record goes back to the pool when the handler returns without
@@ -410,7 +411,7 @@ class AmMessage:
         if self._reply_ep is None:
             h = self._reply_h
             if h != ffi.NULL:
-                self._reply_ep = self._worker._endpoint_for(h)
+                self._reply_ep = self._engine.reply_endpoint(h)
         return self._reply_ep
 
     @property
@@ -473,9 +474,9 @@ class AmMessage:
         gpucx.ClosedError
             If the worker is closed.
         """
-        w = self._worker
-        if w._h is None:
-            raise_closed(w)
+        e = self._engine
+        if e.h is None:
+            e.raise_closed()
         if self._taken:
             self._no_payload()
         if stream is None and type(buf) in _BUFFER_TYPES:
@@ -506,11 +507,11 @@ class AmMessage:
             rec, slot = pair
             if mt == _HOST and stream is None:
                 self._taken = True
-                _recv_msg(w._h, rec, ptr, mt, slot)
+                _recv_msg(e.h, rec, ptr, mt, slot)
             else:
-                with _cuda.door(w, ptr, mt, stream, _RECV, keep):
+                with _cuda.door(e, ptr, mt, stream, _RECV, keep):
                     self._taken = True
-                    _recv_msg(w._h, rec, ptr, mt, slot)
+                    _recv_msg(e.h, rec, ptr, mt, slot)
             am = self._am
             # The record holds nothing to give back now: recycling it needs
             # no C call.
@@ -520,16 +521,16 @@ class AmMessage:
             # Tied to the sender's endpoint when it is known (a reply endpoint
             # already looked up): a dead sender then reads as PeerError.
             return Request(
-                w, slot, (keep, pair, am), _RECV, _received, self._reply_ep, n
+                e, slot, (keep, pair, am), _RECV, _received, self._reply_ep, n
             )
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
             if stream is not None or type(keep) is _Deferred:
-                _cuda.ready(w, ptr, mt, stream, _RECV, keep)
+                _cuda.ready(e, ptr, mt, stream, _RECV, keep)
             ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
-            _cuda.copy_in(w, ptr, mt, rec.data, nbytes, stream, _RECV, keep)
+            _cuda.copy_in(e, ptr, mt, rec.data, nbytes, stream, _RECV, keep)
         else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "
@@ -593,7 +594,7 @@ def _received(req) -> int:
 # -- handlers and sends ----------------------------------------------------------
 
 
-def _check_id(am_id) -> None:
+def check_id(am_id) -> None:
     if not isinstance(am_id, int) or isinstance(am_id, bool):
         raise TypeError(f"am_id must be an int, not {type(am_id).__name__}")
     if not 0 <= am_id <= MAX_USER_AM_ID:
@@ -648,12 +649,13 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
     gpucx.ClosedError
         If the worker is closed.
     """
-    if worker._h is None:
+    e = worker._engine
+    if e.h is None:
         raise_closed(worker)
-    _check_id(am_id)
+    check_id(am_id)
     if handler is not None and not callable(handler):
         raise TypeError(f"handler must be callable or None, not {handler!r}")
-    am = worker._am
+    am = e.am
     if not am.enabled:
         _no_am()
     pool = None
@@ -764,8 +766,9 @@ def _no_am():
     )
 
 
-def set_internal_handler(worker, am_id: int, handler) -> None:
-    """Install a gpucx-internal handler on a reserved id (0xFF00..0xFFFF).
+def set_internal_handler(e, am_id: int, handler) -> None:
+    """Install a gpucx-internal handler on a reserved id (0xFF00..0xFFFF) of
+    the worker whose engine is ``e``.
 
     For other gpucx modules (put-with-notify...): same queue, same dispatch
     and the same exception rules as user handlers.  ``send_array`` owns
@@ -780,7 +783,7 @@ def set_internal_handler(worker, am_id: int, handler) -> None:
     """
     if am_id not in RESERVED_AM_IDS or am_id == ARRAY_AM_ID:
         raise ValueError(f"{am_id!r} is not a free reserved gpucx AM id")
-    am = worker._am
+    am = e.am
     if not am.enabled:
         _no_am()
     _install(am, am_id, handler)
@@ -794,15 +797,15 @@ def send_internal_nb(ep, am_id: int, buf, header=b"", *, reply=False) -> Request
     ValueError
         For an id outside the reserved range.
     """
-    if ep._h is None:
+    if ep.closed:
         raise_closed(ep)
     if am_id not in RESERVED_AM_IDS:
         raise ValueError(f"{am_id!r} is not a reserved gpucx AM id")
     return _send_nb(ep, am_id, buf, header, _REPLY if reply else 0)
 
 
-def _header(ep, header):
-    am = ep._w._am
+def pack_header(e, header):
+    am = e.am
     if not am.enabled:
         _no_am()
     if not header:
@@ -810,7 +813,7 @@ def _header(ep, header):
     h = ffi.from_buffer(header)
     n = len(h)
     if am.max_header is None:
-        am.max_header = lib.gpucx_am_max_header(ep._w._h)
+        am.max_header = lib.gpucx_am_max_header(e.h)
     if n > am.max_header:
         raise ValueError(
             f"am_send: header of {n} bytes exceeds this worker's maximum of "
@@ -819,7 +822,7 @@ def _header(ep, header):
     return h, n
 
 
-def _flags(reply, proto) -> int:
+def send_flags(reply, proto) -> int:
     try:
         flags = _PROTO[proto]
     except (KeyError, TypeError):
@@ -883,26 +886,26 @@ def am_send(
     h = ep._h
     if h is None:
         raise_closed(ep)
-    _check_id(am_id)
-    flags = _flags(reply, proto)
-    hdr, hn = _header(ep, header)
+    check_id(am_id)
+    flags = send_flags(reply, proto)
+    e = ep._engine
+    hdr, hn = pack_header(e, header)
     ptr, n, mt, keep = acquire(buf, False, stream, True)
-    w = ep._w
     if mt == _HOST and stream is None:
-        slot = new_slot() if w._multi else w._sslot
+        slot = e.sslot or new_slot()  # Engine.slot(), inlined (a call less)
         st = lib.gpucx_am_send_wait(
-            w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+            e.state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, e.spin_ns
         )
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
-            slot = new_slot() if w._multi else w._sslot
+        with _cuda.door(e, ptr, mt, stream, _SEND, keep):
+            slot = e.slot()
             st = lib.gpucx_am_send_wait(
-                w._state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, w._spin_ns
+                e.state, h, am_id, hdr, hn, ptr, n, mt, flags, slot, e.spin_ns
             )
         if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
     if st:
-        finish(w, slot, st, timeout, _SEND, ep, keep)
+        finish(e, slot, st, timeout, _SEND, ep, keep)
 
 
 #: gpucx.protocols' first-use bits of AM sends: one per device memory type
@@ -941,14 +944,14 @@ def am_send_nb(
     if h is None:
         raise_closed(ep)
     if type(am_id) is not int or not 0 <= am_id <= MAX_USER_AM_ID:
-        _check_id(am_id)
-    flags = (_REPLY if reply else 0) if proto is None else _flags(reply, proto)
+        check_id(am_id)
+    flags = (_REPLY if reply else 0) if proto is None else send_flags(reply, proto)
     return _send_nb(ep, am_id, buf, header, flags, stream)
 
 
 def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
-    w = ep._w
-    if not header and stream is None and type(buf) in _BUFFER_TYPES and w._am.enabled:
+    e = ep._engine
+    if not header and stream is None and type(buf) in _BUFFER_TYPES and e.am.enabled:
         # No header, a host buffer: _header, acquire's fast path and posted
         # inlined, three calls fewer a message.  Anything else (and every
         # error) takes the general path below.
@@ -957,28 +960,35 @@ def _send_nb(ep, am_id, buf, header, flags, stream=None) -> Request:
         except (ValueError, BufferError, TypeError):
             pass
         else:
-            slot = new_slot() if w._multi else w._sslot
+            slot = e.sslot or new_slot()  # Engine.slot(), inlined (a call less)
             st = _am_send(ep._h, am_id, _NULL, 0, ptr, len(ptr), _HOST, flags, slot)
             if st == _OK:
-                return _new_settled(_Settled)
-            if slot is w._sslot:
-                w._sslot = new_slot()
-            return Request(w, slot, keep, _SEND, None, ep)
-    hdr, hn = _header(ep, header)
+                return _new_done(_DoneAtPost)
+            e.release_shared(slot)
+            return Request(e, slot, keep, _SEND, None, ep)
+    hdr, hn = pack_header(e, header)
     ptr, n, mt, keep = acquire(buf, False, stream, True)
     if mt == _HOST and stream is None:
-        slot = new_slot() if w._multi else w._sslot
+        slot = e.slot()
         st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
-            slot = new_slot() if w._multi else w._sslot
+        with _cuda.door(e, ptr, mt, stream, _SEND, keep):
+            slot = e.slot()
             st = lib.gpucx_am_send(ep._h, am_id, hdr, hn, ptr, n, mt, flags, slot)
         if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
-    return posted(w, slot, st, keep, _SEND, ep)
+    return posted(e, slot, st, keep, _SEND, ep)
 
 
 # -- posted receives -----------------------------------------------------------
+
+
+def recv_registration(e, am_id: int):
+    """The registration posted receives for ``am_id`` go through on the
+    worker of engine ``e`` (made on first use; what
+    ``gpucx._internal.am_recv_registration`` hands the benchmark's C
+    loops)."""
+    return _recv_reg(e.am, am_id)
 
 
 def _recv_reg(am: _AmWorker, am_id: int):
@@ -995,7 +1005,7 @@ def _recv_reg(am: _AmWorker, am_id: int):
     return reg
 
 
-def _recv_target(worker, buf, stream, what: str):
+def _recv_target(e, buf, stream, what: str):
     """``(ptr, nbytes, memory_type, keepalive)`` of a posted receive's
     buffer: writable host or CUDA memory.  Device memory passes the CUDA
     door now (the context can move it, its owner is made current when
@@ -1008,7 +1018,7 @@ def _recv_target(worker, buf, stream, what: str):
             f"{_memtype_name(mt)} memory"
         )
     if mt != _HOST or stream is not None:
-        _cuda.ready(worker, ptr, mt, stream, _RECV, keep)
+        _cuda.ready(e, ptr, mt, stream, _RECV, keep)
     return ptr, n, mt, keep
 
 
@@ -1021,26 +1031,26 @@ def _memtype_name(mt: int) -> str:
         return f"memory type {mt}"
 
 
-def _copy_kept(worker, msg, ptr, mt) -> int:
+def _copy_kept(e, msg, ptr, mt) -> int:
     """Copy the kept eager message C handed over (``GPUCX_AM_COPY_IN``)
     into device memory at ``ptr`` and give its data back; its length."""
     try:
-        _cuda.copy_in(worker, ptr, mt, msg.data, msg.length, None, _RECV)
+        _cuda.copy_in(e, ptr, mt, msg.data, msg.length, None, _RECV)
     finally:
-        lib.gpucx_am_release(worker._h, msg)
+        lib.gpucx_am_release(e.h, msg)
     return msg.length
 
 
-def _posted_target(worker, am_id, buf, stream, what: str):
+def _posted_target(worker, e, am_id, buf, stream, what: str):
     """Check a posted receive: ``(reg, ptr, nbytes, memory_type, keepalive)``."""
-    if worker._h is None:
+    if e.h is None:
         raise_closed(worker)
-    am = worker._am
+    am = e.am
     if type(am_id) is not int or am_id not in am.recv_ids:
-        _check_id(am_id)
+        check_id(am_id)
         if not am.enabled:
             _no_am()
-    ptr, n, mt, keep = _recv_target(worker, buf, stream, what)
+    ptr, n, mt, keep = _recv_target(e, buf, stream, what)
     return _recv_reg(am, am_id), ptr, n, mt, keep
 
 
@@ -1098,7 +1108,8 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
     gpucx.ClosedError
         If the worker is closed.
     """
-    reg, ptr, n, mt, keep = _posted_target(worker, am_id, buf, stream, "am_recv_nb")
+    e = worker._engine
+    reg, ptr, n, mt, keep = _posted_target(worker, e, am_id, buf, stream, "am_recv_nb")
     slot = _new_slot()
     if mt == _HOST:
         st = lib.gpucx_am_post(reg, ptr, n, slot)
@@ -1106,12 +1117,12 @@ def am_recv_nb(worker, am_id: int, buf, *, stream=None) -> Request:
         out = ffi.new(_MSG)
         st = lib.gpucx_am_post_mt(reg, ptr, n, mt, slot, out)
         if st == _COPY_IN:
-            slot.length = _copy_kept(worker, out, ptr, mt)
+            slot.length = _copy_kept(e, out, ptr, mt)
             slot.status = _OK
     if st == _NO_MEMORY:
         check(st, "am_recv_nb")
     # Pending, or finished at once with a kept message (OK or truncated).
-    return Request(worker, slot, keep, _RECV, _nbytes, None, n)
+    return Request(e, slot, keep, _RECV, _nbytes, None, n)
 
 
 def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=None):
@@ -1131,16 +1142,15 @@ def am_recv(worker, am_id: int, buf, timeout: float | None = None, *, stream=Non
     ValueError, BufferError, gpucx.UnsupportedError, gpucx.ClosedError
         As for :func:`am_recv_nb`.
     """
-    reg, ptr, n, mt, keep = _posted_target(worker, am_id, buf, stream, "am_recv")
-    slot = _new_slot() if worker._multi else worker._sslot
+    e = worker._engine
+    reg, ptr, n, mt, keep = _posted_target(worker, e, am_id, buf, stream, "am_recv")
+    slot = e.sslot or _new_slot()  # Engine.slot(), inlined (a call less)
     out = ffi.NULL if mt == _HOST else ffi.new(_MSG)
-    st = lib.gpucx_am_recv_wait(
-        worker._state, reg, ptr, n, mt, slot, out, worker._spin_ns
-    )
+    st = lib.gpucx_am_recv_wait(e.state, reg, ptr, n, mt, slot, out, e.spin_ns)
     if st == _COPY_IN:
-        return _copy_kept(worker, out, ptr, mt)
+        return _copy_kept(e, out, ptr, mt)
     if st == _INPROGRESS:
-        st = block(worker, slot, timeout, keep)
+        st = e.block(slot, timeout, keep)
     if st != _OK:
         if st == _NO_MEMORY:
             check(st, "am_recv")
@@ -1204,10 +1214,11 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         As for :func:`am_recv_nb` (naming the buffer), before anything is
         posted.
     """
-    if worker._h is None:
+    e = worker._engine
+    if e.h is None:
         raise_closed(worker)
-    _check_id(am_id)
-    am = worker._am
+    check_id(am_id)
+    am = e.am
     if not am.enabled:
         _no_am()
     try:
@@ -1228,7 +1239,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         if id(buf) in seen:
             continue
         try:
-            ptr, nbytes, mt, keep = _recv_target(worker, buf, stream, "am_recv_many_nb")
+            ptr, nbytes, mt, keep = _recv_target(e, buf, stream, "am_recv_many_nb")
         except (TypeError, ValueError, BufferError, UCXError) as exc:
             exc.args = (f"am_recv_many_nb: buffer {i}: {exc}", *exc.args[1:])
             raise
@@ -1247,7 +1258,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     device = any(g[2] != _HOST for g in got)
     mts = ffi.new(_MTS, [g[2] for g in got]) if device else ffi.NULL
     if stream is not None and not device:
-        _cuda.ready(worker, ffi.NULL, _HOST, stream, _RECV)
+        _cuda.ready(e, ffi.NULL, _HOST, stream, _RECV)
     reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)
@@ -1261,7 +1272,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         i = at[0]
         g = got[0] if nbufs == 1 else got[i]
         try:
-            length, done = _copy_kept(worker, out, g[0], g[2]), _OK
+            length, done = _copy_kept(e, out, g[0], g[2]), _OK
         except Exception:
             # The members around it are posted and belong to the request
             # now: this one fails, the request reports it when waited.
@@ -1276,7 +1287,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     if n == 0:
         members = ffi.new(_SLOTS, 0)
     slot = ffi.addressof(group, "slot")
-    return Request(worker, slot, (keeps, members, group), _RECV_MANY, _sizes)
+    return Request(e, slot, (keeps, members, group), _RECV_MANY, _sizes)
 
 
 def am_recv_many(

@@ -14,6 +14,7 @@ costs.  The receiving side sees ordinary active messages: handlers
 from __future__ import annotations
 
 from .._handle import raise_closed
+from .._internal import engine
 from .._lib import ffi, lib
 from ..errors import UCXError
 from ..mem import cuda as _cuda
@@ -106,13 +107,14 @@ class AmBatch(Prepared):
     __slots__ = ("am_id", "_header", "_flags")
 
     def __init__(self, ep, am_id, bufs, header, reply, proto):
-        if ep._h is None:
+        if ep.closed:
             raise_closed(ep)
-        _am._check_id(am_id)
-        flags = _am._flags(reply, proto)
+        _am.check_id(am_id)
+        flags = _am.send_flags(reply, proto)
         if header:
             header = bytes(memoryview(header).cast("B"))  # later runs send this
-        hdr, hn = _am._header(ep, header)
+        e = engine(ep)
+        hdr, hn = _am.pack_header(e, header)
         try:
             bufs = list(bufs)
         except TypeError:
@@ -122,7 +124,6 @@ class AmBatch(Prepared):
             ) from None
         if not bufs:
             raise ValueError("prepare_am: bufs is empty (nothing to send)")
-        w = ep._w
         items = ffi.new(_ITEMS, len(bufs))
         keep: list = [hdr]
         total = 0
@@ -136,7 +137,7 @@ class AmBatch(Prepared):
                     got = acquire(buf, False, None)
                     if got[2] != _HOST:
                         # Checks that this context can move it.
-                        _cuda.ready(w, got[0], got[2], None, _WHAT)
+                        _cuda.ready(e, got[0], got[2], None, _WHAT)
                     seen[id(buf)] = got
                     keep.append((buf, got[3]))
             except (TypeError, ValueError, BufferError, UCXError) as exc:
@@ -166,14 +167,14 @@ class AmBatch(Prepared):
         return f"<gpucx.AmBatch id {self.am_id} {state}, {self.nbytes} bytes>"
 
     def _post(self, stream, spin_ns: int):
-        w, h = self._open()
-        return self._through_door(w, stream, _WHAT, self._run, w, h, spin_ns)
+        e, h = self._open()
+        return self._through_door(e, stream, _WHAT, self._run, e, h, spin_ns)
 
-    def _run(self, w, h, spin_ns: int):
+    def _run(self, e, h, spin_ns: int):
         op = ffi.new(_OP)
         hdr, hn = self._header
         st = lib.gpucx_am_batch_run(
-            w._state,
+            e.state,
             h,
             self.am_id,
             hdr,
@@ -225,5 +226,5 @@ class AmBatch(Prepared):
         gpucx.ClosedError, gpucx.UnsupportedError
             As for :meth:`run_nb`, before anything is sent.
         """
-        st, op = self._post(stream, self.endpoint._w._spin_ns)
+        st, op = self._post(stream, self._engine.spin_ns)
         self._finish(st, op, (self._keep, self._items, op), _WHAT, timeout)

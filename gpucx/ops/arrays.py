@@ -37,7 +37,6 @@ from ..mem.buffer import _read
 from ..mem.memtype import CUDA_INTS as _CUDA_INTS
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
-from ..request import wait_for
 from . import am as _am
 
 _MANAGED = int(MemoryType.CUDA_MANAGED)
@@ -186,7 +185,7 @@ def parse_header(header: bytes, nbytes: int):
 
 
 def _prepare(ep, arr):
-    if ep._h is None:
+    if ep.closed:
         raise_closed(ep)
     obj, typestr, shape, device = _describe(arr)
     if device:
@@ -238,7 +237,7 @@ def send_array(ep, arr, *, proto=None, stream=None, timeout=None) -> None:
         If the endpoint is closed.
     """
     obj, header = _prepare(ep, arr)
-    flags = _am._flags(True, proto)
+    flags = _am.send_flags(True, proto)
     _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream).wait(timeout)
 
 
@@ -251,7 +250,7 @@ def send_array_nb(ep, arr, *, proto=None, stream=None):
         As for :func:`send_array`.
     """
     obj, header = _prepare(ep, arr)
-    flags = _am._flags(True, proto)
+    flags = _am.send_flags(True, proto)
     return _am._send_nb(ep, _am.ARRAY_AM_ID, obj, header, flags, stream)
 
 
@@ -260,10 +259,10 @@ def _charge(msg) -> int:
     return len(msg.header) + (0 if msg.is_rndv else msg.nbytes)
 
 
-def attach(worker) -> None:
-    """Register the internal array AM id on ``worker`` (after
-    :func:`gpucx.ops.am.attach` gave it its AM queue)."""
-    am = worker._am
+def attach(e) -> None:
+    """Register the internal array AM id on a new worker's engine ``e``
+    (after :func:`gpucx.ops.am.attach` gave it its AM queue)."""
+    am = e.am
     if am.enabled and _am._register(am, _am.ARRAY_AM_ID) == lib.UCS_OK:
         am.handlers[_am.ARRAY_AM_ID] = _on_array
 
@@ -284,8 +283,8 @@ def _on_array(msg) -> None:
         msg._drop()
         return
     key = int(ffi.cast("uintptr_t", reply_h))
-    w = msg._worker
-    am = w._am
+    e = msg._engine
+    am = e.am
     q = am.arrays.get(key)
     if q is None:
         q = am.arrays[key] = deque()
@@ -301,7 +300,7 @@ def _on_array(msg) -> None:
         s.dropped_bytes += charge
         if not q:
             del am.arrays[key]
-        _bounds.dropped(w)
+        _bounds.dropped(e)
         return
     q.append(msg)
     s.count += 1
@@ -392,10 +391,10 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
 _RECEIVABLE = _CUDA_INTS | {_HOST}
 
 
-def _limit(w, max_bytes) -> int:
+def _limit(e, max_bytes) -> int:
     """The byte limit of one recv_array call (0: none)."""
     if max_bytes is None:
-        return w._context._max_array_bytes
+        return e.context._max_array_bytes
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool):
         raise TypeError(
             f"recv_array: max_bytes must be an int or None, not "
@@ -483,29 +482,31 @@ def recv_array(
     Exception
         Whatever an AM handler dispatched while waiting raised.
     """
-    if ep._h is None:
+    h = ep._h
+    if h is None:
         raise_closed(ep)
-    w = ep._w
-    if not w._am.enabled:
+    e = ep._engine
+    am = e.am
+    if not am.enabled:
         _am._no_am()
-    limit = _limit(w, max_bytes)
-    q = w._am.arrays
-    key = int(ffi.cast("uintptr_t", ep._h))
+    limit = _limit(e, max_bytes)
+    q = am.arrays
+    key = int(ffi.cast("uintptr_t", h))
 
     def alive() -> None:
-        if ep._h is None:
+        if ep.closed:
             raise_closed(ep)  # gpucx found the peer dead: PeerError
-        if ep._state.error != lib.UCS_OK:
-            raise ep.error  # UCX reported the peer failed (PeerError)
+        error = ep.error
+        if error is not None:
+            raise error  # UCX reported the peer failed (PeerError)
 
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = q.get(key)
     if not pending:
-        w.progress()  # runs the AM dispatch: what already arrived is queued
-        pending = wait_for(
-            w, lambda: q.get(key), timeout, "recv_array: no array arrived", alive
+        e.progress()  # runs the AM dispatch: what already arrived is queued
+        pending = e.wait_for(
+            lambda: q.get(key), timeout, "recv_array: no array arrived", alive
         )
-    am = w._am
     msg = pending[0]
     nbytes = msg.nbytes
     if limit and nbytes > limit:

@@ -20,13 +20,14 @@ memory, so the stream orders the atomic and nothing else.
 
 from __future__ import annotations
 
+from .._engine import INPROGRESS
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
 from ..mem.memtype import HOST_INT as _HOST  # atomics' local operands are host words
 from ..mem.remote import RemoteKey
-from ..request import INPROGRESS, Request, block, raise_status
+from ..request import Request, raise_status
 
 __all__ = [
     "atomic_add",
@@ -80,17 +81,18 @@ def _prepare(ep, rkey, offset, nbytes, what):
     return h, raddr
 
 
-def worker_init(worker) -> None:
-    """Install the C handlers of gpucx's emulated atomics on a new worker
-    (contexts with the ``"am"`` feature): the target side, which serves the
-    regions its context exported, and the initiator side, which completes
-    requests with the target's reply."""
-    worker._amo_ok = False
-    if "am" in worker._context.features:
-        st = lib.gpucx_amo_worker_init(worker._state, worker._context._amo_exports)
+def worker_init(e) -> None:
+    """Install the C handlers of gpucx's emulated atomics on a new worker's
+    engine (contexts with the ``"am"`` feature): the target side, which
+    serves the regions its context exported, and the initiator side, which
+    completes requests with the target's reply."""
+    e.amo_ok = False
+    ctx = e.context
+    if "am" in ctx.features:
+        st = lib.gpucx_amo_worker_init(e.state, ctx._amo_exports)
         if st != lib.UCS_OK:
             raise_status(st, "ucp_worker_set_am_recv_handler(atomics)")
-        worker._amo_ok = True
+        e.amo_ok = True
 
 
 def emulated(ep) -> bool:
@@ -118,7 +120,7 @@ _REFUSED = {
 
 
 def _fail(st, what, ep, emulate):
-    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not ep._w._amo_ok:
+    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not ep._engine.amo_ok:
         raise UnsupportedError(
             f"{what}: atomics on an endpoint with peer error handling run over "
             'active messages: this context needs the "am" feature (or connect '
@@ -155,20 +157,20 @@ class _AmoRequest(Request):
 
 
 def _post_args(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
-    """What the blocking and non-blocking forms both pass to C: the worker,
+    """What the blocking and non-blocking forms both pass to C: the engine,
     whether gpucx emulates the atomic, its record, and the argument tuple
     of ``gpucx_atomic``/``gpucx_atomic_wait`` (less the spin)."""
     h, raddr = _prepare(ep, rkey, offset, nbytes, what)
     operand = _word(value, nbytes, what, "value")
     other = 0 if swap_value is None else _word(swap_value, nbytes, what, "new")
-    w = ep._w
+    e = ep._engine
     if stream is not None:
         # Host operands: nothing is made current, ready() only waits.
-        _cuda.ready(w, 0, _HOST, stream, what)
+        _cuda.ready(e, 0, _HOST, stream, what)
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     args = (
-        w._state,
+        e.state,
         h,
         emulate,
         op,
@@ -182,33 +184,34 @@ def _post_args(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, str
         rkey._size,
         amo,
     )
-    return w, emulate, amo, args
+    return e, emulate, amo, args
 
 
 def _run(
     ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream, timeout=None
 ):
-    w, emulate, amo, args = _post_args(
+    e, emulate, amo, args = _post_args(
         ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     )
-    st = lib.gpucx_atomic_wait(*args, w._spin_ns)
+    st = lib.gpucx_atomic_wait(*args, e.spin_ns)
     if st:
         if st == INPROGRESS:
             # UCX cannot cancel its own atomics (it aborts the process when
             # asked to): a timeout parks them, uncanceled.  gpucx's emulated
             # ones are canceled like any request.
-            st = block(w, ffi.addressof(amo, "slot"), timeout, (amo, rkey), ep, emulate)
+            slot = ffi.addressof(amo, "slot")
+            st = e.block(slot, timeout, amo, ep, emulate, rkey)
         if st:
             _fail(st, what, ep, emulate)
     return lib.gpucx_amo_result(amo, nbytes) if fetch else None
 
 
 def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream):
-    w, emulate, amo, args = _post_args(
+    e, emulate, amo, args = _post_args(
         ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
     )
     st = lib.gpucx_atomic(*args)
-    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not w._amo_ok:
+    if emulate and st == lib.UCS_ERR_UNSUPPORTED and not e.amo_ok:
         _fail(st, what, ep, True)  # nothing was posted
     if fetch:
 
@@ -217,9 +220,8 @@ def _run_nb(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, stream
 
     else:
         finish = None
-    return _AmoRequest(
-        emulate, w, ffi.addressof(amo, "slot"), (amo, rkey), what, finish, ep
-    )
+    slot = ffi.addressof(amo, "slot")
+    return _AmoRequest(emulate, e, slot, amo, what, finish, ep, None, rkey)
 
 
 _STREAM = """

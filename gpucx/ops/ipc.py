@@ -31,14 +31,26 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from .. import protocols as _protocols
+from .._engine import INPROGRESS, new_slot
 from .._lib import ffi, lib
 from ..mem import cuda as _cuda
 from ..mem import ipc as _ipc
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
-from ..request import INPROGRESS, Request, new_slot, wait_for
+from ..request import Request
 
-__all__ = ["route", "post", "drain", "poll", "CopyRequest", "DESCRIPTION"]
+__all__ = [
+    "route",
+    "would_route",
+    "takes",
+    "post",
+    "drain",
+    "in_flight",
+    "poll",
+    "CopyRequest",
+    "DESCRIPTION",
+]
 
 _CUDA = int(MemoryType.CUDA)
 _OK = lib.UCS_OK
@@ -65,7 +77,7 @@ def route(ep, rkey, mt: int, ptr: Any, is_get: bool) -> Any:
         return None
     if mt != _HOST and (mt != _CUDA or not is_get):
         return None  # GPU to GPU puts stay with UCX (CUDA IPC at full speed)
-    if not ep._w._context._cuda_ipc_rma:
+    if not ep._engine.context._cuda_ipc_rma:
         return None
     m = _ipc.mapping(rkey)
     if m is None:
@@ -85,26 +97,47 @@ def would_route(rkey, local_memory: str, op: str) -> bool:
     state = rkey._ipc
     if type(state) is str and state != _ipc.UNOPENED:
         return False
-    ctx = rkey.endpoint._w._context
-    if not ctx._cuda_ipc_rma:
+    if not rkey.endpoint._engine.context._cuda_ipc_rma:
         return False
     return local_memory == "host" or (local_memory == "cuda" and op == "get")
 
 
-class _Engine:
-    """A worker's copy streams (one non-blocking stream per context)."""
+def takes(ep, op: str, local: str, remote: str, rkey) -> bool:
+    """Whether gpucx's own path takes ``op`` ("put" or "get") with these
+    memory types: with ``rkey``, for that key; without, for a key of ``ep``
+    whose CUDA IPC handle is open.  What :func:`gpucx.protocols.protocol`
+    asks before UCX's tables (registered with it as a hook at import: the
+    protocols layer imports no operation)."""
+    if op not in ("put", "get") or remote not in ("cuda", ""):
+        return False
+    if rkey is not None:
+        return rkey.memory_type.name == "CUDA" and would_route(rkey, local, op)
+    if not remote:
+        return False
+    for child in list(getattr(ep, "_children", ())):
+        if getattr(child, "cuda_ipc", None) == "open" and would_route(child, local, op):
+            return True
+    return False
 
-    __slots__ = ("worker", "streams", "lock")
 
-    def __init__(self, worker):
-        self.worker = worker
+_protocols.set_own_route(takes)
+
+
+class _CopyStreams:
+    """A worker's copy streams (one non-blocking stream per context), the
+    engine's ``copy_streams``."""
+
+    __slots__ = ("engine", "streams", "lock")
+
+    def __init__(self, e):
+        self.engine = e
         self.streams: dict[int, int] = {}
         # Held while a copy request looks at its copy: with
         # thread_mode="multi" several threads progress the worker, and a
         # finished copy must turn its request final (and send its
         # notification) once.
         self.lock = threading.Lock()
-        worker._on_close.append(self.close)
+        e.on_close.append(self.close)
 
     def stream(self, drv, ctx: int) -> int:
         s = self.streams.get(ctx)
@@ -114,12 +147,12 @@ class _Engine:
 
     def close(self) -> None:
         """The worker closes: finish every copy, destroy the streams."""
-        w = self.worker
-        for req in list(w._copies):
+        copies = self.engine.copies
+        for req in list(copies):
             copy = req._copy
             if copy is not None:
                 copy.wait()
-        w._copies.clear()
+        copies.clear()
         drv = _cuda.driver()
         for ctx, s in self.streams.items():
             if drv is None:
@@ -138,11 +171,11 @@ class _Engine:
         self.streams.clear()
 
 
-def _engine(worker) -> _Engine:
-    e = worker._ipc_engine
-    if e is None:
-        e = worker._ipc_engine = _Engine(worker)
-    return e
+def _streams(e) -> _CopyStreams:
+    cs = e.copy_streams
+    if cs is None:
+        cs = e.copy_streams = _CopyStreams(e)
+    return cs
 
 
 def post(
@@ -173,7 +206,7 @@ def post(
     handle = None if stream is None else _cuda.as_stream(stream)
     held = keep.stream if type(keep) is _cuda.Deferred else None
     drv = _cuda.driver()
-    w = ep._w
+    e = ep._engine
     if not isinstance(ptr, int):
         ptr = int(ffi.cast("uintptr_t", ptr))
     remote = m.ptr + (raddr - rkey._base)
@@ -181,7 +214,7 @@ def post(
     pushed = _cuda.enter(0, m.device)
     try:
         ctx = m.ctx
-        s = _engine(w).stream(drv, ctx)
+        s = _streams(e).stream(drv, ctx)
         waits = [] if held is None else [held]
         if handle is not None and handle != held:
             waits.append(handle)
@@ -211,7 +244,7 @@ def post(
         def then():
             return _notify(ep, note)
 
-    return CopyRequest(w, copy, (keep, rkey), what, ep, then)
+    return CopyRequest(e, copy, keep, what, ep, then, rkey)
 
 
 def _notify(ep, note: bytes):
@@ -223,7 +256,7 @@ def _notify(ep, note: bytes):
     if h is None:
         op.slot.status = lib.UCS_ERR_CANCELED
     else:
-        lib.gpucx_xfer_run(ep._w._state, h, 0, items, 0, 1, note, len(note), op, 0)
+        lib.gpucx_xfer_run(ep._engine.state, h, 0, items, 0, 1, note, len(note), op, 0)
     # C reads the notification when the flush completes: held until then.
     return ffi.addressof(op, "slot"), (op, note, items)
 
@@ -240,11 +273,12 @@ class CopyRequest(Request):
     __slots__ = ("_copy", "_then", "_lock")
     _cancelable = False
 
-    def __init__(self, worker, copy, keep, what, ep, then=None):
+    def __init__(self, e, copy, keep, what, ep, then=None, holds=None):
         # The fields of Request, for a slot gpucx (not UCX) completes.
         self._slot = copy.slot
-        self._worker = worker
+        self._engine = e
         self._keep = keep
+        self._holds = holds
         self._what = what
         self._finish = None
         self._ep = ep
@@ -253,9 +287,9 @@ class CopyRequest(Request):
         self._value = None
         self._copy = copy
         self._then = then
-        self._lock = _engine(worker).lock
-        worker._pending.add(self)
-        worker._copies.append(self)
+        self._lock = _streams(e).lock
+        e.pending.add(self)
+        e.copies.append(self)
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -266,9 +300,7 @@ class CopyRequest(Request):
         """gpucx's own path (:data:`DESCRIPTION`) while the copy runs."""
         if self._state != 0:
             return None
-        from .. import protocols
-
-        return protocols.own_path(self._what, self._ep)
+        return _protocols.own_path(self._what, self._ep)
 
     def _advance(self) -> bool:
         """Look at the copy once; True when the slot is final."""
@@ -307,10 +339,10 @@ class CopyRequest(Request):
         if self._state:
             return True
         if not self._advance():
-            w = self._worker
-            if w._h is None:
+            e = self._engine
+            if e.h is None:
                 return False
-            w.progress()
+            e.progress()
             if not self._advance():
                 return False
         self._complete()
@@ -327,12 +359,11 @@ class CopyRequest(Request):
             ``UCS_ERR_IO_ERROR`` naming the driver's error for the copy.
         """
         if not self._state:
-            w = self._worker
-            if w._h is None:
-                from .._handle import raise_closed
-
-                raise_closed(w)
-            wait_for(w, self.done, timeout, f"{self._what} (cuda_ipc copy)", poll=True)
+            e = self._engine
+            if e.h is None:
+                e.raise_closed()
+            what = f"{self._what} (cuda_ipc copy)"
+            e.wait_for(self.done, timeout, what, poll=True)
         if self._state == 1:
             return self._value
         raise self._value
@@ -357,11 +388,11 @@ class CopyRequest(Request):
         return self.wait(0)
 
 
-def poll(worker) -> None:
-    """Look at the worker's copies once (``Worker.progress`` calls this
-    while some are in flight): a finished copy's slot turns final, a
-    put-with-notify sends its notification."""
-    copies = worker._copies
+def poll(e) -> None:
+    """Look at the worker's copies once (the engine's ``on_copies`` hook,
+    which its progress calls while some are in flight): a finished copy's
+    slot turns final, a put-with-notify sends its notification."""
+    copies = e.copies
     for req in list(copies):
         if req._state or req._advance() or req._copy is None:
             try:
@@ -370,17 +401,23 @@ def poll(worker) -> None:
                 pass  # taken by another thread progressing this worker (multi)
 
 
-def drain(worker, ep=None, timeout: float | None = None) -> None:
-    """Wait, progressing ``worker``, until the copies issued through ``ep``
-    (every endpoint of the worker when None) finished: the part of a flush
-    that is gpucx's own.
+def in_flight(e, ep=None) -> list:
+    """The copies in flight on the worker of engine ``e`` issued through
+    ``ep`` (every endpoint when None): what a flush waits for first."""
+    return [r for r in e.copies if ep is None or r._ep is ep]
+
+
+def drain(e, ep=None, timeout: float | None = None) -> None:
+    """Wait, progressing the worker of engine ``e``, until the copies issued
+    through ``ep`` (every endpoint of the worker when None) finished: the
+    part of a flush that is gpucx's own.
 
     Raises
     ------
     gpucx.TimeoutError
         When ``timeout`` passes first.
     """
-    mine = [r for r in worker._copies if ep is None or r._ep is ep]
+    mine = in_flight(e, ep)
     if not mine:
         return
 
@@ -390,4 +427,4 @@ def drain(worker, ep=None, timeout: float | None = None) -> None:
         return not mine
 
     what = "flush (cuda_ipc copies)"
-    wait_for(worker, finished, timeout, what, poll=True)
+    e.wait_for(finished, timeout, what, poll=True)

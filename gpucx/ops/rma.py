@@ -21,6 +21,7 @@ sees anything.
 from __future__ import annotations
 
 from .. import protocols as _protocols
+from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
@@ -30,15 +31,7 @@ from ..mem.ipc import UNOPENED as _UNOPENED
 from ..mem.memtype import CUDA_TYPES
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.remote import RemoteKey, as_remote
-from ..request import (
-    INPROGRESS,
-    Request,
-    finish,
-    new_slot,
-    posted,
-    raise_status,
-    wait_for,
-)
+from ..request import Request, finish, posted, raise_status
 from . import ipc as _own
 from ._prepared import Prepared
 
@@ -50,6 +43,8 @@ __all__ = [
     "get_nb",
     "prepare_put",
     "prepare_get",
+    "probe",
+    "probe_nb",
     "Transfer",
     "notifications",
     "NOTIFY_AM_ID",
@@ -150,10 +145,6 @@ def _key(rkey) -> RemoteKey:
     return rkey
 
 
-def _sync_slot(w):
-    return new_slot() if w._multi else w._sslot
-
-
 def put(
     ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None, stream=None
 ) -> None:
@@ -221,8 +212,8 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     if notify is None:
         return _post_nb(ep, lib.gpucx_put, buf, rkey, offset, stream, _PUT, False)
     h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, stream, _PUT)
-    w = ep._w
-    note = _notify_bytes(notify, w)
+    e = ep._engine
+    note = _notify_bytes(notify, e)
     if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         m = _own.route(ep, rkey, mt, ptr, False)
         if m is not None:
@@ -233,10 +224,10 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     if mt == _HOST and stream is None:
         lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
     else:
-        with _cuda.door(w, ptr, mt, stream, _PUT):
+        with _cuda.door(e, ptr, mt, stream, _PUT):
             lib.gpucx_put_notify(h, ptr, n, raddr, rkey._h, mt, note, len(note), op)
     slot = ffi.addressof(op, "slot")
-    return Request(w, slot, (keep, rkey, op, note), "put with notify", None, ep)
+    return Request(e, slot, (keep, op, note), "put with notify", None, ep, None, rkey)
 
 
 def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
@@ -288,7 +279,7 @@ def _post_wait(
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
-    w = ep._w
+    e = ep._engine
     if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         # gpucx's own same-host path (gpucx.ops.ipc), when it applies.
         m = _own.route(ep, rkey, mt, ptr, is_get)
@@ -297,12 +288,12 @@ def _post_wait(
             req.wait(timeout)
             return
     if mt == _HOST and stream is None:
-        slot = _sync_slot(w)
-        st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+        slot = e.sslot or new_slot()  # Engine.slot(), inlined (a call less)
+        st = post(e.state, h, ptr, n, raddr, rkey._h, mt, slot, e.spin_ns)
     else:
-        with _cuda.door(w, ptr, mt, stream, what, keep):
-            slot = _sync_slot(w)
-            st = post(w._state, h, ptr, n, raddr, rkey._h, mt, slot, w._spin_ns)
+        with _cuda.door(e, ptr, mt, stream, what, keep):
+            slot = e.slot()
+            st = post(e.state, h, ptr, n, raddr, rkey._h, mt, slot, e.spin_ns)
     if (mt != _HOST or not rkey._host) and not (
         ep._proto_seen >> (mt * 2 + is_get)
     ) & 1:
@@ -310,7 +301,7 @@ def _post_wait(
             ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
         )
     if st:
-        finish(w, slot, st, timeout, what, ep, (keep, rkey))
+        finish(e, slot, st, timeout, what, ep, keep, rkey)
 
 
 def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:
@@ -337,19 +328,19 @@ def _post_nb(ep, post, buf, rkey, offset, stream, what: str, is_get: bool) -> Re
         raise_closed(ep)
     ptr, n, mt, keep = acquire(buf, is_get, stream, True)
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
-    w = ep._w
+    e = ep._engine
     if not rkey._host and (type(rkey._ipc) is not str or rkey._ipc == _UNOPENED):
         m = _own.route(ep, rkey, mt, ptr, is_get)
         if m is not None:
             return _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
     if mt == _HOST and stream is None:
-        slot = _sync_slot(w)
+        slot = e.slot()
         st = post(h, ptr, n, raddr, rkey._h, mt, slot)
     else:
-        with _cuda.door(w, ptr, mt, stream, what, keep):
-            slot = _sync_slot(w)
+        with _cuda.door(e, ptr, mt, stream, what, keep):
+            slot = e.slot()
             st = post(h, ptr, n, raddr, rkey._h, mt, slot)
-    req = posted(w, slot, st, (keep, rkey), what, ep)
+    req = posted(e, slot, st, keep, what, ep, rkey)
     if (mt != _HOST or not rkey._host) and not (
         ep._proto_seen >> (mt * 2 + is_get)
     ) & 1:
@@ -364,6 +355,69 @@ def _check_protocol(ep, what, mt, is_get, n, rkey, slot) -> None:
     this put or get on a slow path (gpucx.protocols; the request in
     ``slot`` if still in flight, else UCX's tables)."""
     _protocols.first_use(ep, what, mt * 2 + is_get, n, (mt, rkey.memory_type), slot)
+
+
+# -- which protocol UCX takes ------------------------------------------------
+
+
+def probe_nb(ep, op: str, buf, rkey, offset: int = 0, *, ucx: bool = False):
+    """Start one put (``op="put"``: ``buf`` into the remote region) or get
+    (``"get"``: the region into ``buf``) and return ``(request, protocol)``:
+    the :class:`~gpucx.protocols.Protocol` UCX selected for it
+    (``ucp_request_query`` on a request posted with
+    ``UCP_OP_ATTR_FLAG_NO_IMM_CMPL``, so that UCX reports even an operation
+    it could finish at once), None if UCX gave no info string.  The answer
+    is also remembered for :func:`gpucx.protocols.protocol`.  Where gpucx's
+    own path takes the operation, it is posted there and its row returned;
+    ``ucx=True`` posts it to UCX all the same (the row of what code posting
+    to UCX directly, such as the bench's C loops, gets).
+
+    This moves data like :meth:`Endpoint.put_nb` / :meth:`Endpoint.get_nb`.
+
+    Raises
+    ------
+    ValueError
+        For another ``op``, and as :meth:`Endpoint.put` / :meth:`Endpoint.get`.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    """
+    if op not in (_PUT, _GET):
+        raise ValueError(f"probe: op must be 'put' or 'get', not {op!r}")
+    is_get = op == _GET
+    h, ptr, n, mt, keep, raddr = _checked(ep, buf, rkey, offset, None, op)
+    e = ep._engine
+    remote = _protocols.memory_name(rkey.memory_type)
+    m = None if ucx else _own.route(ep, rkey, mt, ptr, is_get)
+    if m is not None:  # gpucx's own path: no UCX request to query
+        own = _own.post(ep, m, rkey, ptr, n, raddr, is_get, None, keep, op)
+        local = _protocols.memory_name(mt)
+        return own, _protocols.own_path(op, ep, local, remote)
+    slot = new_slot()
+    out = ffi.new("char[]", 1024)
+    args = (h, is_get, ptr, n, raddr, rkey._h, mt, slot, out, 1024)
+    if mt == _HOST:
+        st = lib.gpucx_rma_probe(*args)
+    else:
+        with _cuda.door(e, ptr, mt, None, op):
+            st = lib.gpucx_rma_probe(*args)
+    req = posted(e, slot, st, keep, op, ep, rkey)
+    return req, _protocols.remember_info(ep, ffi.string(out).decode(), remote)
+
+
+def probe(ep, op: str, buf, rkey, offset: int = 0, *, timeout=None, ucx=False):
+    """:func:`probe_nb`, waited for (the peer must progress meanwhile, as
+    for any get); returns the protocol.
+
+    Raises
+    ------
+    ValueError, gpucx.ClosedError
+        As :func:`probe_nb`.
+    gpucx.PeerError, gpucx.TimeoutError
+        As :meth:`Endpoint.put` / :meth:`Endpoint.get`.
+    """
+    req, row = probe_nb(ep, op, buf, rkey, offset, ucx=ucx)
+    req.wait(timeout)
+    return row
 
 
 # -- prepared transfers --------------------------------------------------------
@@ -470,7 +524,7 @@ class Transfer(Prepared):
                 f"prepare_{what}: entries must be an iterable of (buf, rkey, "
                 f"offset), not {type(entries).__name__}"
             ) from None
-        w = ep._w
+        e = ep._engine
         items = ffi.new(_ITEMS, max(len(entries), 1))
         keep: list = []
         keys: list = []
@@ -479,7 +533,7 @@ class Transfer(Prepared):
         cuda_mt = _HOST
         for i, entry in enumerate(entries):
             try:
-                ptr, n, mt, k, rkey, raddr = _entry(ep, w, what, is_get, entry)
+                ptr, n, mt, k, rkey, raddr = _entry(ep, e, what, is_get, entry)
             except (TypeError, ValueError, BufferError, UCXError) as exc:
                 # Same exception, named after the entry.
                 exc.args = (f"prepare_{what}: entry {i}: {exc}", *exc.args[1:])
@@ -520,19 +574,19 @@ class Transfer(Prepared):
     def _post(self, notify, stream, spin_ns: int):
         """Check what may have closed, post every entry (and progress up to
         ``spin_ns``); returns ``(status, op, notify bytes)``."""
-        w, h = self._open()
+        e, h = self._open()
         for key in self._keys:
-            if key._h is None:
+            if key.closed:
                 raise_closed(key)
-        note = ffi.NULL if notify is None else _notify_bytes(notify, w)
+        note = ffi.NULL if notify is None else _notify_bytes(notify, e)
         return self._through_door(
-            w, stream, self.kind, self._run, w, h, notify, note, spin_ns
+            e, stream, self.kind, self._run, e, h, notify, note, spin_ns
         )
 
-    def _run(self, w, h, notify, note, spin_ns: int):
+    def _run(self, e, h, notify, note, spin_ns: int):
         op = ffi.new(_OP)
         st = lib.gpucx_xfer_run(
-            w._state,
+            e.state,
             h,
             self._is_get,
             self._items,
@@ -574,8 +628,8 @@ class Transfer(Prepared):
             a CUDA driver.
         """
         st, op, note = self._post(notify, stream, 0)
-        keep = (self._keep, self._keys, op, note)
-        return self._request(st, op, keep, f"{self.kind} transfer")
+        keep = (self._keep, op, note)
+        return self._request(st, op, keep, f"{self.kind} transfer", self._keys)
 
     def run(self, timeout=None, *, notify=None, stream=None) -> None:
         """Post every entry and wait until all completed (see :meth:`run_nb`).
@@ -591,12 +645,12 @@ class Transfer(Prepared):
         gpucx.ClosedError, ValueError, gpucx.UnsupportedError
             As for :meth:`run_nb`, before anything is posted.
         """
-        st, op, note = self._post(notify, stream, self.endpoint._w._spin_ns)
-        keep = (self._keep, self._keys, op, note)
-        self._finish(st, op, keep, f"{self.kind} transfer", timeout)
+        st, op, note = self._post(notify, stream, self._engine.spin_ns)
+        keep = (self._keep, op, note)
+        self._finish(st, op, keep, f"{self.kind} transfer", timeout, self._keys)
 
 
-def _entry(ep, w, what: str, is_get: bool, entry):
+def _entry(ep, e, what: str, is_get: bool, entry):
     """Check one ``(buf, rkey, offset)`` entry of a transfer."""
     if type(entry) is not tuple or len(entry) != 3:
         raise TypeError(f"must be a (buf, rkey, offset) tuple, not {entry!r:.80}")
@@ -605,17 +659,17 @@ def _entry(ep, w, what: str, is_get: bool, entry):
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     if mt != _HOST:
         # Checks that this context can move it (UnsupportedError).
-        _cuda.ready(w, ptr, mt, None, what)
+        _cuda.ready(e, ptr, mt, None, what)
     return ptr, n, mt, keep, rkey, raddr
 
 
-def _notify_bytes(notify, w) -> bytes:
+def _notify_bytes(notify, e) -> bytes:
     note = bytes(memoryview(notify).cast("B"))
     if len(note) > NOTIFY_MAX:
         raise ValueError(
             f"notify is {len(note)} bytes; at most {NOTIFY_MAX} are allowed"
         )
-    if "am" not in w._context.features:
+    if "am" not in e.context.features:
         raise UnsupportedError("put with notify needs the 'am' feature in the Context")
     return note
 
@@ -623,34 +677,24 @@ def _notify_bytes(notify, w) -> bytes:
 # -- the owner's side of put-with-notify --------------------------------------
 
 
-def worker_init(worker) -> None:
-    """Install the C handler for notifications on a new worker."""
+def worker_init(e) -> None:
+    """Install the C handler for notifications on a new worker's engine."""
     from .._bounds import caps
 
     q = ffi.new("gpucx_notify_q_t *")
-    count, nbytes = caps(worker._context, "notify")
-    lib.gpucx_notify_setup(q, count, nbytes, ffi.addressof(worker._amq, "drops"))
-    worker._notify_q = q
-    if "am" in worker._context.features:
-        st = lib.gpucx_notify_init(worker._h, q)
+    count, nbytes = caps(e.context, "notify")
+    lib.gpucx_notify_setup(q, count, nbytes, ffi.addressof(e.amq, "drops"))
+    e.notify_q = q
+    if "am" in e.context.features:
+        st = lib.gpucx_notify_init(e.h, q)
         if st != lib.UCS_OK:
             raise_status(st, "ucp_worker_set_am_recv_handler(notify)")
 
 
-def worker_release(worker) -> None:
+def worker_release(e) -> None:
     """Free queued notifications (the worker is being destroyed)."""
-    q = getattr(worker, "_notify_q", None)
-    if q is not None:
-        lib.gpucx_notify_clear(q)
-
-
-def _endpoint_for(worker, ep_h):
-    if ep_h == ffi.NULL:
-        return None
-    for child in list(worker._children):
-        if getattr(child, "_state", None) is not None and child._h == ep_h:
-            return child
-    return None
+    if e.notify_q is not None:
+        lib.gpucx_notify_clear(e.notify_q)
 
 
 def notifications(worker, timeout: float | None = None) -> list:
@@ -676,32 +720,33 @@ def notifications(worker, timeout: float | None = None) -> list:
     gpucx.ClosedError
         If the worker is closed.
     """
-    h = worker._h
+    e = worker._engine
+    h = e.h
     if h is None:
         raise_closed(worker)
-    q = worker._notify_q
+    q = e.notify_q
     if timeout is None or timeout <= 0:
         lib.ucp_worker_progress(h)
-    elif not lib.gpucx_notify_wait(h, q, worker._spin_ns):
+    elif not lib.gpucx_notify_wait(h, q, e.spin_ns):
         # Spun in C for the worker's GPUCX_SPIN_US first (the fast path: one
         # crossing, no Python per progress call), then sleep in slices.
-        worker._poll_events()
-        wait_for(worker, lambda: q.stat.count, timeout)
+        e.poll_events()
+        e.wait_for(lambda: q.stat.count, timeout)
     out = []
-    item = _pop_notification(worker)
+    item = _pop_notification(e)
     while item is not None:
         out.append(item)
-        item = _pop_notification(worker)
+        item = _pop_notification(e)
     return out
 
 
-def _pop_notification(worker):
+def _pop_notification(e):
     """The oldest queued ``(endpoint, notify_bytes)``, or None."""
-    n = lib.gpucx_notify_pop(worker._notify_q)
+    n = lib.gpucx_notify_pop(e.notify_q)
     if n == ffi.NULL:
         return None
     try:
-        return (_endpoint_for(worker, n.ep), bytes(ffi.buffer(n.data, n.length)))
+        return (e.own_endpoint(n.ep), bytes(ffi.buffer(n.data, n.length)))
     finally:
         lib.gpucx_free(n)
 
@@ -723,25 +768,27 @@ def set_notify_handler(worker, handler) -> None:
     gpucx.ClosedError
         If the worker is closed.
     """
-    if worker._h is None:
+    e = worker._engine
+    if e.h is None:
         raise_closed(worker)
     if handler is not None and not callable(handler):
         raise TypeError(f"handler must be callable or None, not {handler!r}")
-    worker._notify_handler = handler
+    e.notify_handler = handler
     # Progress looks at the queue in C only while a handler is set.
     lib.gpucx_progress_watch(
-        worker._state,
-        worker._amq,
-        ffi.NULL if handler is None else ffi.addressof(worker._notify_q, "stat"),
+        e.state,
+        e.amq,
+        ffi.NULL if handler is None else ffi.addressof(e.notify_q, "stat"),
     )
 
 
-def dispatch_notifications(worker) -> None:
-    """Hand queued notifications to the worker's notify handler."""
-    handler = worker._notify_handler
-    while handler is not None and worker._h is not None:
-        item = _pop_notification(worker)
+def dispatch_notifications(e) -> None:
+    """Hand queued notifications to the worker's notify handler (the
+    engine's ``on_notify`` hook)."""
+    handler = e.notify_handler
+    while handler is not None and e.h is not None:
+        item = _pop_notification(e)
         if item is None:
             return
         handler(*item)
-        handler = worker._notify_handler
+        handler = e.notify_handler

@@ -7,49 +7,36 @@ the sender split its sends.  Message boundaries are not kept.
 
 from __future__ import annotations
 
+from .._engine import INPROGRESS, Engine, new_slot
 from .._handle import raise_closed
 from .._lib import lib
 from ..errors import UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
 from ..mem.memtype import HOST_INT as _HOST
-from ..request import (
-    INPROGRESS,
-    Request,
-    block,
-    finish,
-    new_slot,
-    posted,
-    raise_status,
-)
+from ..request import Request, finish, posted, raise_status
 
 __all__ = ["stream_send", "stream_send_nb", "stream_recv", "stream_recv_nb"]
 
 _SEND = "stream send"
-_RECV = "stream recv"
-
-
-def _sync_slot(w):
-    return new_slot() if w._multi else w._sslot
-
-
-def _fresh_slot(w):
-    return new_slot()
+#: What a stream receive is called (its requests' name; an endpoint's close
+#: does not wait for them).
+RECV = _RECV = "stream recv"
 
 
 def _open(ep):
-    """The endpoint's UCX handle and worker; refuses a closed endpoint and a
+    """The endpoint's UCX handle and engine; refuses a closed endpoint and a
     context without the stream feature."""
     h = ep._h
     if h is None:
         raise_closed(ep)
-    w = ep._w
-    if "stream" not in w._context.features:
+    e = ep._engine
+    if "stream" not in e.context.features:
         _no_stream(ep)
-    return h, w
+    return h, e
 
 
-def _post(w, ptr, mt: int, stream, what: str, post, take=_sync_slot, keep=None):
+def _post(e, ptr, mt: int, stream, what: str, post, take=Engine.slot, keep=None):
     """Take a slot and run ``post(slot)``; return ``(slot, status)``.
 
     CUDA memory, or a ``stream`` to wait for, goes through the CUDA door
@@ -61,10 +48,10 @@ def _post(w, ptr, mt: int, stream, what: str, post, take=_sync_slot, keep=None):
     context stays pushed while handlers run), as for tag messages.
     """
     if mt == _HOST and stream is None:
-        slot = take(w)
+        slot = take(e)
         return slot, post(slot)
-    with _cuda.door(w, ptr, mt, stream, what, keep):
-        slot = take(w)
+    with _cuda.door(e, ptr, mt, stream, what, keep):
+        slot = take(e)
         return slot, post(slot)
 
 
@@ -99,19 +86,19 @@ def stream_send(ep, buf, *, stream=None, timeout=None) -> None:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h, w = _open(ep)
+    h, e = _open(ep)
     ptr, n, mt, keep = acquire(buf, False, stream, True)
     slot, st = _post(
-        w,
+        e,
         ptr,
         mt,
         stream,
         _SEND,
-        lambda s: lib.gpucx_stream_send_wait(w._state, h, ptr, n, mt, s, w._spin_ns),
+        lambda s: lib.gpucx_stream_send_wait(e.state, h, ptr, n, mt, s, e.spin_ns),
         keep=keep,
     )
     if st:
-        finish(w, slot, st, timeout, _SEND, ep, keep)
+        finish(e, slot, st, timeout, _SEND, ep, keep)
 
 
 def stream_send_nb(ep, buf, *, stream=None) -> Request:
@@ -134,10 +121,10 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h, w = _open(ep)
+    h, e = _open(ep)
     ptr, n, mt, keep = acquire(buf, False, stream, True)
     slot, st = _post(
-        w,
+        e,
         ptr,
         mt,
         stream,
@@ -145,7 +132,11 @@ def stream_send_nb(ep, buf, *, stream=None) -> Request:
         lambda s: lib.gpucx_stream_send(h, ptr, n, mt, s),
         keep=keep,
     )
-    return posted(w, slot, st, keep, _SEND, ep)
+    return posted(e, slot, st, keep, _SEND, ep)
+
+
+def _fresh_slot(e):
+    return new_slot()
 
 
 def _length(req) -> int:
@@ -172,29 +163,29 @@ def stream_recv(ep, buf, timeout: float | None = None, *, stream=None) -> int:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h, w = _open(ep)
+    h, e = _open(ep)
     ptr, n, mt, keep = acquire(buf, True, stream, True)
     slot, st = _post(
-        w,
+        e,
         ptr,
         mt,
         stream,
         _RECV,
-        lambda s: _recv(w, h, ptr, n, mt, timeout, s),
+        lambda s: _recv(e, h, ptr, n, mt, timeout, s),
         keep=keep,
     )
     if st == INPROGRESS:
-        st = block(w, slot, timeout, keep)  # past the CUDA door
+        st = e.block(slot, timeout, keep)  # past the CUDA door
     if st:
         raise_status(st, _RECV, ep, slot, n)
     return slot.length
 
 
-def _recv(w, h, ptr, n: int, mt: int, timeout, slot) -> int:
+def _recv(e, h, ptr, n: int, mt: int, timeout, slot) -> int:
     """Post a stream receive into ``slot`` (spinning in C for it, bounded,
     when there is no ``timeout``); its status."""
     if timeout is None:
-        return lib.gpucx_stream_recv_wait(w._state, h, ptr, n, mt, slot, w._spin_ns)
+        return lib.gpucx_stream_recv_wait(e.state, h, ptr, n, mt, slot, e.spin_ns)
     return lib.gpucx_stream_recv(h, ptr, n, mt, slot)
 
 
@@ -218,10 +209,10 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
     gpucx.UnsupportedError
         If the context was created without the ``"stream"`` feature.
     """
-    h, w = _open(ep)
+    h, e = _open(ep)
     ptr, n, mt, keep = acquire(buf, True, stream, True)
     slot, _ = _post(
-        w,
+        e,
         ptr,
         mt,
         stream,
@@ -230,4 +221,4 @@ def stream_recv_nb(ep, buf, *, stream=None) -> Request:
         _fresh_slot,
         keep,
     )
-    return Request(w, slot, keep, _RECV, _length, ep, n)
+    return Request(e, slot, keep, _RECV, _length, ep, n)

@@ -12,6 +12,7 @@ buffers is one message (UCX IOV datatype).
 from __future__ import annotations
 
 from .. import protocols as _protocols
+from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
 from ..errors import AlreadyReceivedError
@@ -19,16 +20,7 @@ from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
 from ..mem.buffer import acquire
 from ..mem.memtype import HOST_INT as _HOST
-from ..request import (
-    INPROGRESS,
-    RecvInfo,
-    Request,
-    block,
-    finish,
-    new_slot,
-    posted,
-    raise_status,
-)
+from ..request import RecvInfo, Request, finish, posted, raise_status
 
 __all__ = ["send", "send_nb", "recv", "recv_nb", "probe", "TAG_MASK_FULL"]
 
@@ -111,7 +103,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     h = ep._h
     if h is None:
         raise_closed(ep)
-    w = ep._w
+    e = ep._engine
     # acquire()'s exact-type fast path, inlined: a function call is a third
     # of the Python cost of a small blocking send.  Anything unusual (and
     # every error) goes through acquire(), the one door.
@@ -127,18 +119,18 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     else:
         ptr, n, mt, keep = acquire(buf, False, stream, True)
     if mt == _HOST and stream is None:  # inlined: the small-message path
-        slot = new_slot() if w._multi else w._sslot
+        slot = e.sslot or new_slot()  # Engine.slot(), inlined (a call less)
         try:
-            st = lib.gpucx_tag_send_wait(w._state, h, ptr, n, tag, mt, slot, w._spin_ns)
+            st = lib.gpucx_tag_send_wait(e.state, h, ptr, n, tag, mt, slot, e.spin_ns)
         except (OverflowError, TypeError) as exc:
             raise _bad_tag(exc, tag) from None
     else:
-        with _cuda.door(w, ptr, mt, stream, _SEND, keep):
-            slot, st = _send(w, h, ptr, n, tag, mt)
+        with _cuda.door(e, ptr, mt, stream, _SEND, keep):
+            slot, st = _send(e, h, ptr, n, tag, mt)
         if not (ep._proto_seen >> (32 + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
     if st:
-        finish(w, slot, st, timeout, _SEND, ep, keep)
+        finish(e, slot, st, timeout, _SEND, ep, keep)
 
 
 def _check_protocol(ep, mt: int, n: int, slot) -> None:
@@ -149,12 +141,12 @@ def _check_protocol(ep, mt: int, n: int, slot) -> None:
     _protocols.first_use(ep, "tag", 32 + mt, n, (mt, ""), slot)
 
 
-def _send(w, h, ptr, n: int, tag, mt: int):
+def _send(e, h, ptr, n: int, tag, mt: int):
     """Post a blocking tag send (the device path of :func:`send`)."""
-    slot = new_slot() if w._multi else w._sslot
+    slot = e.slot()
     try:
         return slot, lib.gpucx_tag_send_wait(
-            w._state, h, ptr, n, tag, mt, slot, w._spin_ns
+            e.state, h, ptr, n, tag, mt, slot, e.spin_ns
         )
     except (OverflowError, TypeError) as exc:
         raise _bad_tag(exc, tag) from None
@@ -186,8 +178,8 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
     h = ep._h
     if h is None:
         raise_closed(ep)
-    w = ep._w
-    slot = new_slot() if w._multi else w._sslot
+    e = ep._engine
+    slot = e.slot()
     try:
         if type(buf) is list or type(buf) is tuple:
             iov, count, mt, keep, n = _iov(buf, False, stream)
@@ -196,7 +188,7 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
                     h, iov, count, tag, mt, 1 if sync else 0, slot
                 )
             else:
-                with _cuda.door(w, iov[0].buffer, mt, stream, _SEND):
+                with _cuda.door(e, iov[0].buffer, mt, stream, _SEND):
                     st = lib.gpucx_tag_send_iov(
                         h, iov, count, tag, mt, 1 if sync else 0, slot
                     )
@@ -205,11 +197,11 @@ def send_nb(ep, buf, tag: int = 0, sync: bool = False, *, stream=None) -> Reques
             if mt == _HOST and stream is None:
                 st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
             else:
-                with _cuda.door(w, ptr, mt, stream, _SEND, keep):
+                with _cuda.door(e, ptr, mt, stream, _SEND, keep):
                     st = lib.gpucx_tag_send(h, ptr, n, tag, mt, 1 if sync else 0, slot)
     except (OverflowError, TypeError) as exc:
         raise _bad_tag(exc, tag) from None
-    req = posted(w, slot, st, keep, _SEND, ep)
+    req = posted(e, slot, st, keep, _SEND, ep)
     if mt != _HOST and not (ep._proto_seen >> (32 + mt)) & 1:
         _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
     return req
@@ -255,7 +247,8 @@ def recv(
     gpucx.UnsupportedError
         As for :func:`send`.
     """
-    h = worker._h
+    e = worker._engine
+    h = e.h
     if h is None:
         raise_closed(worker)
     if type(buf) in _FAST_TYPES:  # acquire()'s fast path, inlined (see send)
@@ -271,35 +264,35 @@ def recv(
     if mt == _HOST and stream is None:
         # Inlined (a call costs a measurable share of a small blocking
         # receive); the device path shares it through _recv.
-        slot = new_slot() if worker._multi else worker._sslot
+        slot = e.sslot or new_slot()  # Engine.slot(), inlined (a call less)
         try:
             if timeout is None:
                 st = lib.gpucx_tag_recv_wait(
-                    worker._state, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+                    e.state, ptr, n, tag, tag_mask, mt, slot, e.spin_ns
                 )
             else:
                 st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
         except (OverflowError, TypeError) as exc:
             raise _bad_tag(exc, tag, tag_mask) from None
     else:
-        with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
-            slot, st = _recv(worker, h, ptr, n, tag, tag_mask, mt, timeout)
+        with _cuda.door(e, ptr, mt, stream, _RECV, keep):
+            slot, st = _recv(e, h, ptr, n, tag, tag_mask, mt, timeout)
     if st:
         if st == INPROGRESS:
-            st = block(worker, slot, timeout, keep)
+            st = e.block(slot, timeout, keep)
         if st:
             raise_status(st, _RECV, None, slot, n)
     return _tuple_new(RecvInfo, (slot.tag, slot.length))
 
 
-def _recv(worker, h, ptr, n: int, tag, tag_mask, mt: int, timeout):
+def _recv(e, h, ptr, n: int, tag, tag_mask, mt: int, timeout):
     """Post a tag receive, waiting in C without a timeout: (slot, status)
     (the device path of :func:`recv`)."""
-    slot = new_slot() if worker._multi else worker._sslot
+    slot = e.slot()
     try:
         if timeout is None:
             st = lib.gpucx_tag_recv_wait(
-                worker._state, ptr, n, tag, tag_mask, mt, slot, worker._spin_ns
+                e.state, ptr, n, tag, tag_mask, mt, slot, e.spin_ns
             )
         else:
             st = lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
@@ -329,7 +322,8 @@ def recv_nb(
     gpucx.UnsupportedError
         As for :func:`send`.
     """
-    h = worker._h
+    e = worker._engine
+    h = e.h
     if h is None:
         raise_closed(worker)
     slot = new_slot()
@@ -339,18 +333,18 @@ def recv_nb(
             if mt == _HOST and stream is None:
                 lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
             else:
-                with _cuda.door(worker, iov[0].buffer, mt, stream, _RECV):
+                with _cuda.door(e, iov[0].buffer, mt, stream, _RECV):
                     lib.gpucx_tag_recv_iov(h, iov, count, tag, tag_mask, mt, slot)
         else:
             ptr, n, mt, keep = acquire(buf, True, stream, True)
             if mt == _HOST and stream is None:
                 lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
             else:
-                with _cuda.door(worker, ptr, mt, stream, _RECV, keep):
+                with _cuda.door(e, ptr, mt, stream, _RECV, keep):
                     lib.gpucx_tag_recv(h, ptr, n, tag, tag_mask, mt, slot)
     except (OverflowError, TypeError) as exc:
         raise _bad_tag(exc, tag, tag_mask) from None
-    return Request(worker, slot, keep, _RECV, _recv_info, None, n)
+    return Request(e, slot, keep, _RECV, _recv_info, None, n)
 
 
 class ProbedMessage:
@@ -405,7 +399,8 @@ class ProbedMessage:
             If the worker is closed.
         """
         w = self._worker
-        if w._h is None:
+        e = w._engine
+        if e.h is None:
             raise_closed(w)
         if self._taken:
             raise AlreadyReceivedError("this probed message was already received")
@@ -417,12 +412,12 @@ class ProbedMessage:
         slot = new_slot()
         if mt == _HOST and stream is None:
             self._taken = True
-            lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
+            lib.gpucx_tag_msg_recv(e.h, ptr, n, self._msg, mt, slot)
         else:
-            with _cuda.door(w, ptr, mt, stream, _RECV, keep):
+            with _cuda.door(e, ptr, mt, stream, _RECV, keep):
                 self._taken = True
-                lib.gpucx_tag_msg_recv(w._h, ptr, n, self._msg, mt, slot)
-        return Request(w, slot, keep, _RECV, _recv_info, None, n)
+                lib.gpucx_tag_msg_recv(e.h, ptr, n, self._msg, mt, slot)
+        return Request(e, slot, keep, _RECV, _recv_info, None, n)
 
     def recv(self, buf, timeout: float | None = None, *, stream=None) -> RecvInfo:
         """Receive the message into ``buf`` (blocking); ``stream`` as for
@@ -453,7 +448,7 @@ def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = Fa
     gpucx.ClosedError
         If the worker is closed.
     """
-    h = worker._h
+    h = worker._engine.h
     if h is None:
         raise_closed(worker)
     info = ffi.new("ucp_tag_recv_info_t *")

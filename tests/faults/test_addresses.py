@@ -128,7 +128,7 @@ def test_raw_ucx_address_refused_unless_raw(world):
     with pytest.raises(gpucx.InvalidAddressError, match="raw=True"):
         w.connect(peer.ucx_address)
     ep = w.connect(peer.ucx_address, raw=True)
-    assert not w._watched  # no identity, no liveness checks
+    assert not w._engine.watched  # no identity, no liveness checks
     ep.close(force=True)
 
 
@@ -136,9 +136,9 @@ def test_local_peer_watched_and_unwatched_on_close(world):
     w, peer = world
     other = _reframe(peer.ucx_address, pid=1, boot=_address._boot, pidns=_address._ns)
     ep = w.connect(other)
-    assert w._watched[ep] == (1, 0)
+    assert w._engine.watched[ep][:2] == (1, 0)
     ep.close(force=True)
-    assert ep not in w._watched
+    assert ep not in w._engine.watched
 
 
 @pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
@@ -159,18 +159,18 @@ def test_local_peer_checked_through_its_pidfd_until_unwatched(
         w, peer = ctx.create_worker(), ctx.create_worker()
         closed, ep = w.connect(frame(peer)), w.connect(frame(peer))
         for e in (closed, ep):
-            assert w._watched[e] == (child.pid, start)
-            assert _liveness.check_peer(w, e) is False  # alive
-            fd = w._pidfds[e]
+            assert w._engine.watched[e][:2] == (child.pid, start)
+            assert _liveness.check_peer(w._engine, e) is False  # alive
+            fd = w._engine.pidfds[e]
             assert (fd >= 0) == pidfd
             if pidfd:
                 assert os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
         closed.close(force=True)
-        assert closed not in w._watched and closed not in w._pidfds
+        assert closed not in w._engine.watched and closed not in w._engine.pidfds
         child.kill()
         child.wait()
-        assert _liveness.check_peer(w, ep) is True  # dead: failed
-        assert ep not in w._watched and ep not in w._pidfds
+        assert _liveness.check_peer(w._engine, ep) is True  # dead: failed
+        assert ep not in w._engine.watched and ep not in w._engine.pidfds
         assert isinstance(ep.error, gpucx.PeerError)
         assert f"peer process {child.pid} died" in str(ep.error)
 
@@ -192,7 +192,7 @@ def test_proc_alive():
 
 def test_peer_check_interval_option():
     with gpucx.Context(config={"GPUCX_PEER_CHECK_INTERVAL": 0.5}) as ctx:
-        assert ctx.create_worker()._peer_interval == 0.5
+        assert ctx.create_worker()._engine.peer_interval == 0.5
         assert "GPUCX_PEER_CHECK_INTERVAL" not in ctx.config  # never for UCX
     with gpucx.Context(config={"gpucx_peer_check_interval": "0"}) as ctx:
         w, peer = ctx.create_worker(), ctx.create_worker()
@@ -200,7 +200,7 @@ def test_peer_check_interval_option():
             peer.ucx_address, pid=1, boot=_address._boot, pidns=_address._ns
         )
         w.connect(other).close(force=True)
-        assert w._peer_interval == 0 and not w._watched  # checks off
+        assert w._engine.peer_interval == 0 and not w._engine.watched  # checks off
     with pytest.raises(ValueError, match="unknown gpucx option"):
         gpucx.Context(config={"GPUCX_NO_SUCH": 1})
     with pytest.raises(ValueError, match="number >= 0"):
@@ -317,7 +317,7 @@ def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait, stand_in):
     with gpucx.Context(config={"GPUCX_PEER_CHECK_INTERVAL": 30}) as ctx:
         w, peer = ctx.create_worker(), ctx.create_worker()
         ep = w.connect(frame(peer))
-        assert w._pidfds[ep] >= 0 and w._pfd >= 0  # opened when watched
+        assert w._engine.pidfds[ep] >= 0 and w._engine.pfd >= 0  # opened when watched
         killer = threading.Timer(0.3, child.kill)
         killer.start()
         t0 = time.monotonic()
@@ -328,9 +328,9 @@ def test_a_blocking_wait_wakes_when_a_watched_peer_exits(wait, stand_in):
                 ep.recv_array(timeout=20)
         assert time.monotonic() - t0 < 20  # not the timeout
         killer.join()
-        assert ep not in w._pidfds and ep not in w._watched
+        assert ep not in w._engine.pidfds and ep not in w._engine.watched
         w.close()
-        assert w._pset is None and w._pfd == -1
+        assert w._engine.pset is None and w._engine.pfd == -1
 
 
 def test_a_pidfd_left_for_an_unwatched_endpoint_is_closed_by_the_next_check(
@@ -343,8 +343,8 @@ def test_a_pidfd_left_for_an_unwatched_endpoint_is_closed_by_the_next_check(
     with gpucx.Context() as ctx:
         w, peer = ctx.create_worker(), ctx.create_worker()
         ep = w.connect(frame(peer))
-        _liveness.unwatch(w, ep)
-        _liveness._keep_pidfd(w, ep, (child.pid, start))  # the other thread
-        assert ep in w._pidfds and ep not in w._watched
-        _liveness.check(w, force=True)
-        assert ep not in w._pidfds
+        _liveness.unwatch(w._engine, ep)
+        _liveness.keep_pidfd(w._engine, ep, child.pid, start)  # the other thread
+        assert ep in w._engine.pidfds and ep not in w._engine.watched
+        _liveness.check(w._engine, force=True)
+        assert ep not in w._engine.pidfds

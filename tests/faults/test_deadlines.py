@@ -36,9 +36,9 @@ def _deliver(pair, req, data):
         assert time.monotonic() < end, "the parked send never completed"
     assert np.array_equal(back, data)
     end = time.monotonic() + 10
-    while pair.a._parked:  # the parked slot is freed once UCX lets go
+    while pair.a._engine.parked:  # the parked slot is freed once UCX lets go
         pair.a.progress()
-        pair.a._poll_events()
+        pair.a._engine.poll_events()
         assert time.monotonic() < end, "a completed send stayed parked"
     assert req.done()
 
@@ -64,4 +64,4 @@ def test_recv_timeout_is_kept(tls, ctx):
     pair = Pair(ctx)
     buf = bytearray(64)
     _timed(lambda t: pair.a.recv(buf, tag=9, timeout=t), 0.5)
-    assert not pair.a._parked  # a receive cancels at once: nothing parked
+    assert not pair.a._engine.parked  # a receive cancels at once: nothing parked

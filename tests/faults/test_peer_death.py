@@ -129,7 +129,7 @@ def case_am_recv_kept(w, ep, remote, proc, msgs, chan):
     # receive that takes it fails, it does not hang.
     from gpucx._lib import lib
 
-    reg = w._am.regs[KEEP_ID]
+    reg = w._engine.am.regs[KEEP_ID]
     end = time.monotonic() + BOUND_S
     while lib.gpucx_am_kept(reg) == 0:
         assert time.monotonic() < end, "the peer's active message never came"
@@ -255,15 +255,15 @@ def run_case(op: str, tls: str, rounds: int, thread_mode: str = "single") -> Non
         # A third process: served as if nothing happened.
         serve_new_peer(w, tls)
         w.progress()
-        assert not w._pending, f"requests left tracked: {w._pending}"
+        assert not w._engine.pending, f"requests left tracked: {w._engine.pending}"
         if (op, tls) != ("am_receive_into", "shm") and thread_mode != "multi":
-            assert not w._parked, f"operations left parked: {w._parked}"
+            assert not w._engine.parked, f"operations left parked: {w._engine.parked}"
         # else: UCX keeps a rendezvous AM receive from a dead shared-memory
         # peer until the worker is destroyed; gpucx parks it with its buffer
         # (in "multi" mode, every operation UCX held on the dead endpoint).
-        assert not w._watched
+        assert not w._engine.watched
         w.close()
-        assert not w._pending and not w._parked
+        assert not w._engine.pending and not w._engine.parked
 
 
 #: (operation, transport) pairs.  Not atomics over TCP: UCX offers them
@@ -299,7 +299,7 @@ def test_listener_endpoint_reports_death(tls):
             for _ in range(ROUNDS):
                 with started("idle", tls, via_listener=True) as (proc, chan):
                     ep, _ = handshake(w, chan, listener=lst)
-                    assert not w._watched
+                    assert not w._engine.watched
                     req = ep.send_nb(np.ones(BIG, np.uint8), tag=5)
                     kill(proc)
                     t0 = time.monotonic()
@@ -308,7 +308,7 @@ def test_listener_endpoint_reports_death(tls):
                     assert time.monotonic() - t0 < BOUND_S
                     ep.close()
         serve_new_peer(w, tls)
-        assert not w._pending and not w._parked
+        assert not w._engine.pending and not w._engine.parked
 
 
 #: In "multi" thread mode gpucx does not force-close a dead peer's endpoint
