@@ -595,6 +595,15 @@ def _received(req) -> int:
 
 
 def check_id(am_id) -> None:
+    """Refuse an AM id users may not pass (also for gpucx.ops.am_batch).
+
+    Raises
+    ------
+    TypeError
+        For an id that is not an int.
+    ValueError
+        For an id outside 0..0xFEFF.
+    """
     if not isinstance(am_id, int) or isinstance(am_id, bool):
         raise TypeError(f"am_id must be an int, not {type(am_id).__name__}")
     if not 0 <= am_id <= MAX_USER_AM_ID:
@@ -805,6 +814,16 @@ def send_internal_nb(ep, am_id: int, buf, header=b"", *, reply=False) -> Request
 
 
 def pack_header(e, header):
+    """``(pointer, length)`` of an AM user header for the worker of engine
+    ``e`` (NULL, 0 for none; also for gpucx.ops.am_batch).
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    ValueError
+        For a header longer than the worker's maximum.
+    """
     am = e.am
     if not am.enabled:
         _no_am()
@@ -823,6 +842,14 @@ def pack_header(e, header):
 
 
 def send_flags(reply, proto) -> int:
+    """The ``gpucx_am_send`` flags of ``reply`` and ``proto`` (also for
+    gpucx.ops.am_batch and gpucx.ops.arrays).
+
+    Raises
+    ------
+    ValueError
+        For a ``proto`` other than None, "eager" and "rndv".
+    """
     try:
         flags = _PROTO[proto]
     except (KeyError, TypeError):
