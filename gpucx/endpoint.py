@@ -247,8 +247,12 @@ class Endpoint(Handle):
             return ""
         from ._lib import UCX_VERSION
 
+        # gpucx does not know whether the connection ever worked (a lost
+        # host fails an established one the same way): the hint says when
+        # it applies.
         return (
-            f" (if a listener runs there, check that it runs UCX "
+            f" (if this connection never worked and a listener runs there, "
+            f"check that it runs UCX "
             f"{UCX_VERSION[0]}.{UCX_VERSION[1]} like this process: UCX's "
             "client/server wireup does not cross UCX minor versions; "
             "`gpucx info` shows the version)"
