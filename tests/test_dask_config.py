@@ -98,6 +98,27 @@ def test_ucx_options_go_to_the_context_not_the_environment(monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_peer_timeout_reaches_the_context(monkeypatch):
+    """``peer-timeout`` is the comm context's GPUCX_PEER_TIMEOUT (which maps
+    onto UCX's keepalive and TCP options); null leaves gpucx's default."""
+    monkeypatch.delenv("GPUCX_PEER_TIMEOUT", raising=False)
+    assert "GPUCX_PEER_TIMEOUT" not in rt.context_config()
+    with dask.config.set({"distributed-gpucx.peer-timeout": "3s"}):
+        cfg = rt.context_config()
+        assert cfg["GPUCX_PEER_TIMEOUT"] == 3.0
+        import gpucx
+
+        with gpucx.Context(config=cfg) as ctx:
+            assert ctx.peer_timeout == 3.0
+    with dask.config.set({"distributed-gpucx.peer-timeout": 0}):
+        assert rt.context_config()["GPUCX_PEER_TIMEOUT"] == 0.0
+    with (
+        dask.config.set({"distributed-gpucx.peer-timeout": "-1s"}),
+        pytest.raises(ValueError, match="peer-timeout"),
+    ):
+        rt.context_config()
+
+
 def test_the_environment_wins(monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")
     with dask.config.set({"distributed-gpucx.tls": "sm"}):

@@ -205,6 +205,19 @@ def context_config() -> dict[str, Any]:
         # does with SO_REUSEADDR.
         out.setdefault("CM_REUSEADDR", "y")
     out["GPUCX_PEER_CHECK_INTERVAL"] = float(cfg["peer-check-interval"])
+    timeout = cfg.get("peer-timeout")
+    if timeout is not None:
+        # None: GPUCX_PEER_TIMEOUT from the environment, else gpucx's default.
+        try:
+            seconds = parse_timedelta(timeout, "s")
+        except (TypeError, ValueError):
+            seconds = None
+        if seconds is None or seconds < 0:
+            raise ValueError(
+                "distributed-gpucx.peer-timeout must be a duration >= 0 or "
+                f"null, not {timeout!r}"
+            )
+        out["GPUCX_PEER_TIMEOUT"] = float(seconds)
     return out
 
 
