@@ -32,14 +32,7 @@ POINTS = (("tag_lat", 8, 20000), ("tag_bw", 1 << 20, 2000), ("tag_bw", 16 << 20,
 
 def gpucx_point(a, b, test: str, size: int, iters: int) -> dict:
     cli = [sys.executable, "-m", "gpucx.cli", "bench"]
-    server = a.popen(
-        [*cli, "--server", "--host", a.address, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    srv = hostlib.Peer(server, "bench server on host a")
-    line = srv.readline(60)
-    port = int(line.rsplit(":", 1)[1])
+    srv, port = hostlib.start_bench_server(a)
     out = Path(f"/tmp/across-hosts-{test}-{size}.json")
     client = b.popen(
         [*cli, "--client", f"{a.address}:{port}", "-t", test, "-s", str(size),
@@ -50,7 +43,7 @@ def gpucx_point(a, b, test: str, size: int, iters: int) -> dict:
     _, err = client.communicate(timeout=300)
     if client.returncode != 0:
         raise RuntimeError(f"gpucx bench client failed: {err[-500:]}")
-    server.kill()
+    srv.proc.kill()
     (r,) = json.loads(out.read_text())["results"]
     return {"latency_us": r.get("latency_us"), "bandwidth_gbs": r.get("bandwidth_gbs")}
 

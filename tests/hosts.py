@@ -325,6 +325,22 @@ def mend_link(hosts: list[Host]) -> None:
     _wait_up([(h.ns, h.ifname) for h in hosts])
 
 
+def start_bench_server(host: Host) -> tuple[Peer, int]:
+    """``gpucx bench --server`` on ``host``, listening on its address:
+    ``(peer, port)`` once it said where it listens."""
+    proc = host.popen(
+        [sys.executable, "-m", "gpucx.cli", "bench", "--server", "--host",
+         host.address, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    srv = Peer(proc, f"bench server on {host.hostname}")
+    line = srv.readline(60)
+    if f"listening on {host.address}:" not in line:
+        raise AssertionError(f"bench server: {line!r}; {srv.stderr}")
+    return srv, int(line.rsplit(":", 1)[1])
+
+
 @contextlib.contextmanager
 def make_hosts():
     """Yield two :class:`Host` objects joined through the wire (a bridge in a

@@ -69,15 +69,8 @@ def test_bench_server_and_client_across_hosts(hosts, tmp_path):
     """`gpucx bench --server HOST` on one host, `--client` from the other."""
     a, b = hosts
     cli = [sys.executable, "-m", "gpucx.cli", "bench"]
-    server = a.popen(
-        [*cli, "--server", "--host", a.address, "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    srv = hostlib.Peer(server, "bench server on host a")
-    line = srv.readline(30)
-    assert f"listening on {a.address}:" in line, (line, srv.stderr)
-    port = int(line.rsplit(":", 1)[1])
+    srv, port = hostlib.start_bench_server(a)
+    server = srv.proc
     out = tmp_path / "bench.json"
     client = b.popen(
         [
