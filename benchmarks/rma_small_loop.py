@@ -25,18 +25,26 @@ def main(n: int = 100_000, loops: int = 5) -> dict[str, float]:
         dst = np.zeros(64, np.uint8)
         key = ep.unpack(ctx.register(dst).remote())
         src, out = np.ones(8, np.uint8), np.zeros(8, np.uint8)
-        best: dict[str, float] = {}
-        for name, call in (
-            ("put", lambda: ep.put(src, key)),
-            ("get", lambda: ep.get(out, key)),
-        ):
-            for _ in range(loops):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    call()
-                us = (time.perf_counter() - t0) / n * 1e6
-                best[name] = min(best.get(name, us), us)
+        best = best_of(
+            (("put", lambda: ep.put(src, key)), ("get", lambda: ep.get(out, key))),
+            loops,
+            n,
+        )
         key.close()
+    return best
+
+
+def best_of(calls, loops: int, n: int) -> dict[str, float]:
+    """``{name: microseconds a call}``, the best of ``loops`` loops of ``n``
+    calls of each ``(name, call)``."""
+    best: dict[str, float] = {}
+    for name, call in calls:
+        for _ in range(loops):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            us = (time.perf_counter() - t0) / n * 1e6
+            best[name] = min(best.get(name, us), us)
     return best
 
 
