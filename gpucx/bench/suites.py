@@ -817,9 +817,13 @@ class _RmaBase(Bench):
         buf = self.buffer(1)
         # The C loops post to UCX directly, never on gpucx's own path: their
         # rows report what UCX does.
-        c_loop = not self.p.use_async and self.p.api == "c"
         return _rma.probe(
-            self.s.ep, self.protocol_op, buf, rmem, timeout=self.p.timeout, ucx=c_loop
+            self.s.ep,
+            self.protocol_op,
+            buf,
+            rmem,
+            timeout=self.p.timeout,
+            ucx=not self.p.use_async,  # the test _RmaBw._phase makes
         )
 
 

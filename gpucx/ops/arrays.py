@@ -354,7 +354,7 @@ def _default_allocator(
 
 
 def _cupy_empty(cupy, nbytes: int, memory_type: int, dtype, shape):
-    if memory_type == int(MemoryType.CUDA_MANAGED):
+    if memory_type == _MANAGED:
         mem = cupy.cuda.malloc_managed(max(nbytes, 1))
         return cupy.ndarray((nbytes,), cupy.uint8, mem)
     if dtype is not None:
