@@ -305,5 +305,125 @@ def unanswered(side: str, host: str, seconds: str) -> None:
         get()
 
 
+# -- Dask across hosts (tests/test_hosts_dask.py) -----------------------------
+
+
+def _serve_until_told(make) -> None:
+    """Run ``await make()`` (a Dask server, as an async context manager's
+    object) in an event loop, say ``["address", its address]``, and close it
+    once the test writes a line."""
+    import asyncio
+
+    async def main():
+        async with await make() as server:
+            put(["address", server.address])
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, sys.stdin.readline)
+
+    asyncio.run(main())
+
+
+def dask_scheduler(scheme: str, host: str) -> None:
+    """A ``distributed.Scheduler`` listening on ``scheme://host:0``."""
+    from distributed import Scheduler
+
+    async def make():
+        return Scheduler(host=host, port=0, protocol=scheme, dashboard=False)
+
+    _serve_until_told(make)
+
+
+def dask_worker(scheduler: str, interface: str = "") -> None:
+    """A ``distributed.Worker`` of ``scheduler`` given no host, as ``dask
+    worker SCHEDULER`` starts one (Dask picks what it listens on and the
+    address it gives out), or given ``interface`` (``--interface``)."""
+    from distributed import Worker
+
+    async def make():
+        return Worker(
+            scheduler,
+            nthreads=1,
+            dashboard=False,
+            memory_limit=0,
+            interface=interface or None,
+        )
+
+    _serve_until_told(make)
+
+
+def comms_seen(dask_worker) -> list:
+    """Every comm this Dask server holds (the scheduler's batched stream,
+    pooled and incoming comms): ``[local, peer, same_host, data endpoint
+    (gpucx:// only), transport names (gpucx:// only)]`` each."""
+    comms = set(dask_worker._comms)  # comms accepted and being handled
+    for pooled in (dask_worker.rpc.available, dask_worker.rpc.occupied):
+        for group in pooled.values():
+            comms |= set(group)
+    streams = [getattr(dask_worker, "batched_stream", None)]
+    streams += getattr(dask_worker, "stream_comms", {}).values()  # a scheduler's
+    for stream in streams:
+        if stream is not None and stream.comm is not None:
+            comms.add(stream.comm)
+    return [_comm_seen(c) for c in comms if not c.closed()]
+
+
+def _comm_seen(c) -> list:
+    """``[local, peer, same_host, transports]`` of a Dask comm; for
+    ``gpucx://``, the transport names of the connection's endpoint and,
+    where the comm has one, of its same-host data endpoint (None when it
+    has none)."""
+    transports = None
+    if type(c).__name__ == "GpucxComm":
+        transports = [sorted({name for name, _ in c._ep.transports}), None]
+        if c._dep is not c._ep:
+            transports[1] = sorted({name for name, _ in c._dep.transports})
+    return [c.local_address, c.peer_address, c.same_host, transports]
+
+
+def _fetched_from(dask_worker) -> list:
+    """Who this worker fetched data from, and how many bytes (Dask's own
+    ``transfer_incoming_log``)."""
+    return [[d["who"], d["total"]] for d in dask_worker.transfer_incoming_log]
+
+
+def dask_client(scheduler: str) -> None:
+    """Connect to ``scheduler`` and wait for two workers; make an 8 MiB
+    array and a small one on each worker and have a task on the other one
+    take it (``workers=[...]``, ``allow_other_workers=False``: Dask fetches
+    it worker to worker); then report the workers' addresses, what each
+    fetched from where, and every comm of each worker."""
+    from distributed import Client
+
+    with Client(scheduler, timeout=30) as c:
+        c.wait_for_workers(2, timeout=30)
+        wa, wb = sorted(c.scheduler_info()["workers"])
+        sums = []
+        for src, dst in ((wa, wb), (wb, wa)):
+            for n in (1000, 8 * MIB):
+                x = c.submit(payload, n, 5, workers=[src], pure=False)
+                y = c.submit(
+                    np.sum, x, workers=[dst], allow_other_workers=False, pure=False
+                )
+                sums.append(int(y.result(timeout=30)) == int(payload(n, 5).sum()))
+                del x, y
+        put(
+            [
+                "done",
+                [wa, wb],
+                sums,
+                c.run(_fetched_from),
+                c.run(comms_seen),
+                c.run_on_scheduler(comms_seen),
+                comms_seen_client(c),
+            ]
+        )
+        get()
+
+
+def comms_seen_client(client) -> list:
+    """The client's comm to the scheduler, as :func:`comms_seen` says it."""
+    return [_comm_seen(client.scheduler_comm.comm)]
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
