@@ -425,5 +425,121 @@ def comms_seen_client(client) -> list:
     return [_comm_seen(client.scheduler_comm.comm)]
 
 
+# -- a hostile flood across the link (tests/test_hosts_flood.py) --------------
+
+
+class _Chan:
+    """The ``chan`` of the one-host flood and fuzz peers (tests/peers_flood.py,
+    tests/peers_fuzz.py), over this program's stdin/stdout."""
+
+    def put(self, obj) -> None:
+        put(obj)
+
+    def get(self, timeout: float | None = None):
+        return get()  # a hang ends at GPUCX_PEER_DEADLINE
+
+
+def flooder(kind: str, n: str, size: str) -> None:
+    """``peers_flood.flood`` from this host: ``n`` eager messages of ``size``
+    bytes of ``kind`` to the survivor, then a tag message."""
+    from peers_flood import flood
+
+    flood(_Chan(), "default", kind, int(n), int(size))
+
+
+def hostile_arrays() -> None:
+    """``peers_fuzz.hostile_array_peer`` from this host: the messages (header,
+    payload size, protocol) come from the test."""
+    from peers_fuzz import hostile_array_peer
+
+    chan = _Chan()
+    messages = get()
+    hostile_array_peer("default", chan, messages)
+
+
+def rss() -> int:
+    """This process's resident memory in bytes (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def survivor(n: str, size: str, hostile: str) -> None:
+    """The receiver of a flood from one host while another host sends it
+    malformed array messages.
+
+    Takes the first flood message with a posted AM receive, as an
+    application would, then only progresses (the rest are unexpected, kept
+    up to the caps and dropped beyond).  Meanwhile it receives ``hostile``
+    malformed array messages and a good array from the other peer with
+    ``recv_array``.  Once the test says the flood is over, receives the
+    flooder's tag message and reports its resident memory growth, the AM
+    queue's counters, the warnings, and how each array message ended.
+    """
+    import dataclasses
+    import warnings
+
+    from peers_flood import AFTER_TAG, FLOOD_AM_ID
+
+    n_msgs, nbytes = int(n), int(size)
+    with (
+        gpucx.Context() as ctx,
+        warnings.catch_warnings(record=True) as rec,
+    ):
+        warnings.simplefilter("always")
+        w = ctx.create_worker()
+        first = np.zeros(nbytes, np.uint8)
+        req = w.am_recv_nb(FLOOD_AM_ID, first)
+        put(["address", w.address])
+        flood_ep = w.connect(get())  # the flooder's address
+        arrays_ep = w.connect(get())  # the hostile peer's
+        req.wait(TIMEOUT)
+        base = peak = rss()
+        arrays = []
+        for _ in range(int(hostile)):
+            try:
+                arrays_ep.recv_array(timeout=TIMEOUT)
+                arrays.append("received")
+            except ValueError as exc:
+                arrays.append(str(exc))
+            peak = max(peak, rss())
+        good = arrays_ep.recv_array(timeout=TIMEOUT)
+        good_ok = bool(np.array_equal(good, np.arange(1000, dtype=np.float64)))
+        left = n_msgs - 1
+        flooded = False
+        while True:
+            for _ in range(200):
+                w.progress()
+            s = w.stats()["am_kept"]
+            peak = max(peak, rss())
+            if not flooded and select.select([sys.stdin], [], [], 0)[0]:
+                flooded = get() == "flooded"
+            if flooded and s.count + s.dropped >= left:
+                break
+        buf = bytearray(64)
+        info = w.recv(buf, tag=AFTER_TAG, timeout=TIMEOUT)
+        after = bytes(buf[: info.nbytes]).decode()
+        drops = [
+            str(r.message)
+            for r in rec
+            if issubclass(r.category, gpucx.DroppedMessagesWarning)
+        ]
+        put(
+            [
+                "done",
+                peak - base,
+                dataclasses.asdict(w.stats()["am_kept"]),
+                drops,
+                arrays,
+                good_ok,
+                after,
+                [flood_ep.transports, arrays_ep.transports],
+            ]
+        )
+        get()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]](*sys.argv[2:])
