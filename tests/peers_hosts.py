@@ -425,6 +425,58 @@ def comms_seen_client(client) -> list:
     return [_comm_seen(client.scheduler_comm.comm)]
 
 
+def dask_comm(side: str, scheme: str, host: str, timeout: str) -> None:
+    """One end of a ``distributed.comm`` connection that the test cuts.
+
+    Side "a" listens on ``host`` and says ``["address", ...]``; side "b"
+    connects to the address the test gives it.  "a" writes one message,
+    "b" reads it; then each posts a read that nothing will answer and says
+    "ready".  The reads end when the comm learns that the other host is
+    gone: each side then says ``["ended", exception name, monotonic
+    time]``.  ``timeout`` (seconds) is ``distributed-gpucx.peer-timeout``
+    for ``gpucx://`` and ``distributed.comm.timeouts.tcp`` for ``tcp://``.
+    """
+    import asyncio
+
+    import dask.config
+    from distributed.comm import connect, listen
+
+    async def pending_read(comm) -> None:
+        put(["ready"])
+        try:
+            await asyncio.wait_for(comm.read(), TIMEOUT)
+            name = "read"
+        except Exception as exc:  # what ended it is the report
+            name = type(exc).__name__
+        put(["ended", name, time.monotonic()])
+
+    async def main():
+        if side == "b":
+            comm = await connect(get(), timeout=TIMEOUT)
+            assert await comm.read() == "hello"
+            await pending_read(comm)
+            return
+        accepted: asyncio.Queue = asyncio.Queue()
+
+        async def handle(comm):
+            await accepted.put(comm)
+            await asyncio.sleep(3600)  # the comm stays open
+
+        async with listen(f"{scheme}://{host}:0", handle) as lst:
+            put(["address", lst.contact_address])
+            comm = await accepted.get()
+            await comm.write("hello")
+            await pending_read(comm)
+
+    cfg = {
+        "distributed-gpucx.peer-timeout": f"{timeout}s",
+        "distributed.comm.timeouts.tcp": f"{timeout}s",
+    }
+    with dask.config.set(cfg):
+        asyncio.run(main())
+    get()  # the test has everything
+
+
 # -- a hostile flood across the link (tests/test_hosts_flood.py) --------------
 
 
