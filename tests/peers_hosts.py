@@ -1,4 +1,5 @@
-"""Peer programs for the two-host tests (tests/test_hosts.py).
+"""Peer programs for the tests across emulated hosts (tests/test_hosts.py,
+tests/test_hosts_dask.py, tests/test_hosts_flood.py).
 
 Run as ``python peers_hosts.py ROLE ARGS...`` on an emulated host (see
 tests/hosts.py).  They speak to the test over stdin/stdout, one JSON value
