@@ -120,13 +120,18 @@ def _wait_up(links: list[tuple[str, str]], timeout: float = 10.0) -> None:
 
 
 def clean_stale() -> None:
-    """Remove namespaces of this prefix whose test run is gone."""
+    """Remove namespaces of this prefix, and folders of boot ids, whose test
+    run is gone."""
     p = _run("ip", "netns", "list", check=False)
     for line in p.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.fullmatch(rf"{PREFIX}(\d+)-[a-z]", name)
         if m and not _alive(int(m.group(1))):
             _kill_ns(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-boot-*"):
+        m = re.match(rf"{PREFIX}(\d+)-boot-", folder.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Peer:
@@ -396,17 +401,21 @@ def make_hosts(n: int = 2, default_route: bool = False):
     pid = os.getpid()
     wire = f"{PREFIX}{pid}-w"
     boot_dir = tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-boot-")
-    # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
-    hosts = [
-        Host(
-            f"{PREFIX}{pid}-{x}",
-            f"gxh{pid}{x}",
-            f"{SUBNET}.{i + 1}",
-            f"gpucx-host-{x}",
-            _boot_id_file(boot_dir, x),
-        )
-        for i, x in enumerate(LETTERS[:n])
-    ]
+    try:
+        # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
+        hosts = [
+            Host(
+                f"{PREFIX}{pid}-{x}",
+                f"gxh{pid}{x}",
+                f"{SUBNET}.{i + 1}",
+                f"gpucx-host-{x}",
+                _boot_id_file(boot_dir, x),
+            )
+            for i, x in enumerate(LETTERS[:n])
+        ]
+    except BaseException:
+        shutil.rmtree(boot_dir, ignore_errors=True)
+        raise
     for h in hosts:
         h.wire_ns, h.wire_if = wire, f"gxw{pid}{h.ifname[-1]}"
     bridge = f"gxbr{pid}"

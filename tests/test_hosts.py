@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,6 +82,29 @@ def test_namespaces_are_torn_down():
     assert not any(n in listed for n in names), listed
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "gxh" not in links and "gxw" not in links and "gxbr" not in links, links
+
+
+def test_a_dead_runs_boot_id_folder_is_removed(tmp_path):
+    """A run killed outright leaves its folder of boot ids; the next
+    ``make_hosts`` removes it (and keeps a live run's)."""
+    reason = hostlib.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts on one machine: {reason}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tmp = Path(hostlib.tempfile.gettempdir())
+    stale = tmp / f"{hostlib.PREFIX}{dead.pid}-boot-test"
+    live = tmp / f"{hostlib.PREFIX}{os.getppid()}-boot-test"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "a").write_text("x\n")
+    try:
+        with hostlib.make_hosts(1):
+            pass
+        assert not stale.exists() and live.exists()
+    finally:
+        for folder in (stale, live):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.parametrize("n", [0, 9])
