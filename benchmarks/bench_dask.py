@@ -68,7 +68,9 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
-def _echo_server(scheme, tls, conn):
+def _echo_server(scheme, tls, conn, host="127.0.0.1"):
+    """Echo every message back until one says "stop"; ``conn.send`` gets
+    the address listened on (``host``, a free port)."""
     import dask.config
     from distributed.comm import listen
 
@@ -91,7 +93,7 @@ def _echo_server(scheme, tls, conn):
                 await comm.close()
 
         # deserialize=False: the echo sends the frames back as they came.
-        async with listen(f"{scheme}://127.0.0.1:0", handle, deserialize=False) as lst:
+        async with listen(f"{scheme}://{host}:0", handle, deserialize=False) as lst:
             conn.send(lst.contact_address)
             await done.wait()
 
@@ -158,49 +160,53 @@ def comm_pingpong(
     """Median round trip (seconds) per size; under ``"connect"``, the median
     of ``connects`` fresh comms' ``connect`` plus one 8-byte round trip."""
     import dask.config
-    from distributed.comm import connect
-    from distributed.protocol import to_serialize
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_echo_server, args=(scheme, tls, child), daemon=True)
     proc.start()
     addr = parent.recv()
-    out: dict[int | str, float] = {}
-
-    async def main():
-        comm = await connect(addr, timeout=30)
-        try:
-            if connects:
-                times = []
-                for _ in range(connects + 1):
-                    t0 = time.perf_counter()
-                    c = await connect(addr, timeout=30)
-                    await c.write(b"12345678")
-                    await c.read()
-                    times.append(time.perf_counter() - t0)
-                    await c.close()
-                out["connect"] = statistics.median(times[1:])
-            for size in sizes:
-                msg = {"x": to_serialize(np.ones(size, "u1"))}
-                n = iters if size <= 1 << 20 else max(5, iters // 20)
-                for _ in range(max(3, n // 10)):  # warm up
-                    await comm.write(msg, serializers=SERIALIZERS)
-                    await comm.read()
-                times = []
-                for _ in range(n):
-                    t0 = time.perf_counter()
-                    await comm.write(msg, serializers=SERIALIZERS)
-                    await comm.read()
-                    times.append(time.perf_counter() - t0)
-                out[size] = statistics.median(times)
-            await comm.write("stop")
-        finally:
-            await comm.close()
-
     with dask.config.set({"distributed-gpucx.tls": tls}):
-        asyncio.run(main())
+        out = asyncio.run(pingpong(addr, sizes, iters, connects))
     proc.join(30)
+    return out
+
+
+async def pingpong(addr: str, sizes, iters: int, connects: int = 0):
+    """The measurement of :func:`comm_pingpong` against the echo server
+    (:func:`_echo_server`) at ``addr``, which it stops at the end."""
+    from distributed.comm import connect
+    from distributed.protocol import to_serialize
+
+    out: dict[int | str, float] = {}
+    comm = await connect(addr, timeout=30)
+    try:
+        if connects:
+            times = []
+            for _ in range(connects + 1):
+                t0 = time.perf_counter()
+                c = await connect(addr, timeout=30)
+                await c.write(b"12345678")
+                await c.read()
+                times.append(time.perf_counter() - t0)
+                await c.close()
+            out["connect"] = statistics.median(times[1:])
+        for size in sizes:
+            msg = {"x": to_serialize(np.ones(size, "u1"))}
+            n = iters if size <= 1 << 20 else max(5, iters // 20)
+            for _ in range(max(3, n // 10)):  # warm up
+                await comm.write(msg, serializers=SERIALIZERS)
+                await comm.read()
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                await comm.write(msg, serializers=SERIALIZERS)
+                await comm.read()
+                times.append(time.perf_counter() - t0)
+            out[size] = statistics.median(times)
+        await comm.write("stop")
+    finally:
+        await comm.close()
     return out
 
 

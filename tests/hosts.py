@@ -1,24 +1,28 @@
-"""Two "hosts" on one machine: network namespaces joined through a third.
+"""Emulated "hosts" on one machine: network namespaces joined through another.
 
 Each host is a network namespace of its own (``ip netns add``) holding one
 end of a veth pair, with an address on a private /24 that exists only on
-those two interfaces (no route leads anywhere else, and the root namespace
-never sees any of them).  The other ends sit in a third namespace, the
-wire, enslaved to a bridge: what the wire does to frames (slows them,
-drops them: :func:`slow_link`, :func:`cut_link`) happens beyond each
-host's kernel, as in a network, so a host's TCP sees loss and not a local
-error.  A process starts on a host through
-``ip netns exec NS unshare --uts --mount --ipc`` with a fresh tmpfs on
-``/dev/shm`` and a hostname of its own, so UCX finds no shared memory (no
-POSIX or System V segments, no common hostname) between the two hosts and
-reaches the other one by TCP only.
+the hosts' interfaces (no route leads anywhere else, and the root namespace
+never sees any of them); :func:`make_hosts` makes two by default, or more.
+The other ends sit in one more namespace, the wire, enslaved to a bridge:
+what the wire does to frames (slows them, drops them: :func:`slow_link`,
+:func:`cut_link`) happens beyond each host's kernel, as in a network, so a
+host's TCP sees loss and not a local error.  A process starts on a host
+through ``ip netns exec NS unshare --uts --mount --ipc`` with a fresh tmpfs
+on ``/dev/shm``, a hostname of its own and a boot id of its own (a file
+bound over ``/proc/sys/kernel/random/boot_id``), so UCX finds no shared
+memory (no POSIX or System V segments, no common hostname or system id)
+between two hosts and reaches the other one by TCP only, and gpucx, which
+tells a process of this host by its boot id (``gpucx._address.is_local``),
+sees a process of another host.
 
 :func:`make_hosts` is a context manager that always tears down: every
 process it started is killed (process group and anything else left in the
 namespaces), then the namespaces are deleted, which removes the veth pairs
 and the bridge.  Names carry the pid of the test run (``gpucx-h<pid>-a``,
-``-b``, ``-w``), so parallel runs do not clash, and namespaces of this
-prefix left by a run whose process is gone are removed at the next start.
+``-b``, ... and ``-w``), so parallel runs do not clash, and namespaces of
+this prefix left by a run whose process is gone are removed at the next
+start.
 
 :class:`Peer` talks to a child over its stdin/stdout, one JSON value a line
 (bytes as ``{"b": hex}``), with a timeout on every read: a multiprocessing
@@ -36,12 +40,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 PREFIX = "gpucx-h"
 SUBNET = "10.231.0"
+#: Host letters: "a" is 10.231.0.1, "b" .2, and so on ("w" is the wire).
+LETTERS = "abcdefgh"
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -112,13 +120,18 @@ def _wait_up(links: list[tuple[str, str]], timeout: float = 10.0) -> None:
 
 
 def clean_stale() -> None:
-    """Remove namespaces of this prefix whose test run is gone."""
+    """Remove namespaces of this prefix, and folders of boot ids, whose test
+    run is gone."""
     p = _run("ip", "netns", "list", check=False)
     for line in p.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         m = re.fullmatch(rf"{PREFIX}(\d+)-[a-z]", name)
         if m and not _alive(int(m.group(1))):
             _kill_ns(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}*-boot-*"):
+        m = re.match(rf"{PREFIX}(\d+)-boot-", folder.name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Peer:
@@ -210,11 +223,21 @@ class Host:
     """One emulated host: a network namespace, its end of a veth pair to the
     wire, and its address."""
 
-    def __init__(self, ns: str, ifname: str, address: str, hostname: str):
+    def __init__(
+        self,
+        ns: str,
+        ifname: str,
+        address: str,
+        hostname: str,
+        boot_id_file: str | None = None,
+    ):
         self.ns = ns
         self.ifname = ifname
         self.address = address
         self.hostname = hostname
+        #: A file holding this host's boot id, bound over the kernel's in
+        #: every process started here (None: the machine's own).
+        self.boot_id_file = boot_id_file
         #: The wire's namespace and its port towards this host.
         self.wire_ns = ""
         self.wire_if = ""
@@ -222,9 +245,15 @@ class Host:
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` on this host (own UTS, mount and IPC namespaces, a
-        fresh /dev/shm); the process is killed at teardown."""
+        fresh /dev/shm, the host's boot id); the process is killed at
+        teardown."""
+        boot = (
+            f"mount --bind {self.boot_id_file} /proc/sys/kernel/random/boot_id && "
+            if self.boot_id_file
+            else ""
+        )
         script = (
-            "mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+            f"mount -t tmpfs -o size=64m tmpfs /dev/shm && {boot}"
             f'hostname {self.hostname} && exec "$@"'
         )
         env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
@@ -341,24 +370,52 @@ def start_bench_server(host: Host) -> tuple[Peer, int]:
     return srv, int(line.rsplit(":", 1)[1])
 
 
+def _boot_id_file(folder: str, name: str) -> str:
+    """A file in ``folder`` holding a fresh boot id (as the kernel writes
+    one: a random UUID and a newline)."""
+    path = os.path.join(folder, name)
+    Path(path).write_text(f"{uuid.uuid4()}\n")
+    return path
+
+
 @contextlib.contextmanager
-def make_hosts():
-    """Yield two :class:`Host` objects joined through the wire (a bridge in a
-    third namespace) on a private /24; always tear down.  Raises
-    :class:`HostsUnavailable` when the namespaces cannot be made."""
+def make_hosts(n: int = 2, default_route: bool = False):
+    """Yield ``n`` :class:`Host` objects (a, b, ...; 10.231.0.1, .2, ...)
+    joined through the wire (a bridge in a namespace of its own) on a
+    private /24, each with a boot id of its own; always tear down.
+
+    ``default_route``: each host also routes every other address to its
+    interface, as a host on a network has a default route (what leaves that
+    way reaches no one: nothing on the bridge answers for it), so that
+    "the address through which the Internet is reached", which Dask gives
+    out for a server bound to 0.0.0.0, is the host's own.
+
+    Raises :class:`HostsUnavailable` when the namespaces cannot be made, and
+    ``ValueError`` for an ``n`` outside 1-8."""
+    if not 1 <= n <= len(LETTERS):
+        raise ValueError(f"make_hosts: n must be 1-{len(LETTERS)}, not {n}")
     reason = unavailable_reason()
     if reason:
         raise HostsUnavailable(reason)
     clean_stale()
     pid = os.getpid()
     wire = f"{PREFIX}{pid}-w"
-    # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
-    hosts = [
-        Host(
-            f"{PREFIX}{pid}-{x}", f"gxh{pid}{x}", f"{SUBNET}.{i + 1}", f"gpucx-host-{x}"
-        )
-        for i, x in enumerate("ab")
-    ]
+    boot_dir = tempfile.mkdtemp(prefix=f"{PREFIX}{pid}-boot-")
+    try:
+        # Interface names are at most 15 bytes: "gxh" + pid (<= 7 digits) + 1.
+        hosts = [
+            Host(
+                f"{PREFIX}{pid}-{x}",
+                f"gxh{pid}{x}",
+                f"{SUBNET}.{i + 1}",
+                f"gpucx-host-{x}",
+                _boot_id_file(boot_dir, x),
+            )
+            for i, x in enumerate(LETTERS[:n])
+        ]
+    except BaseException:
+        shutil.rmtree(boot_dir, ignore_errors=True)
+        raise
     for h in hosts:
         h.wire_ns, h.wire_if = wire, f"gxw{pid}{h.ifname[-1]}"
     bridge = f"gxbr{pid}"
@@ -382,6 +439,8 @@ def make_hosts():
             _run("ip", "-n", wire, "link", "set", h.wire_if, "up")
             _run("ip", "-n", h.ns, "addr", "add", f"{h.address}/24", "dev", h.ifname)
             _run("ip", "-n", h.ns, "link", "set", h.ifname, "up")
+            if default_route:
+                _run("ip", "-n", h.ns, "route", "add", "default", "dev", h.ifname)
         # A veth end is operationally up (carrier on) a moment after both
         # ends are set up; UCX skips an interface that is not, and each
         # process lists interfaces once, when its context is made.
@@ -392,3 +451,24 @@ def make_hosts():
             h.kill_all()
         for ns in made:
             _kill_ns(ns)
+        shutil.rmtree(boot_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def hosts_or_skip(n: int = 2, **kwargs):
+    """:func:`make_hosts` (``n``, ``kwargs``) for a pytest fixture: skips the
+    test, saying why, where the namespaces cannot be made."""
+    import pytest
+
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"{n} hosts on one machine: {reason}")
+    try:
+        cm = make_hosts(n, **kwargs)
+        made = cm.__enter__()
+    except HostsUnavailable as e:
+        pytest.skip(f"{n} hosts on one machine: {e}")
+    try:
+        yield made
+    finally:
+        cm.__exit__(None, None, None)

@@ -1,4 +1,5 @@
-"""Peer programs for the two-host tests (tests/test_hosts.py).
+"""Peer programs for the tests across emulated hosts (tests/test_hosts.py,
+tests/test_hosts_dask.py, tests/test_hosts_flood.py).
 
 Run as ``python peers_hosts.py ROLE ARGS...`` on an emulated host (see
 tests/hosts.py).  They speak to the test over stdin/stdout, one JSON value
@@ -302,6 +303,294 @@ def unanswered(side: str, host: str, seconds: str) -> None:
             w.recv(buf, tag=7, timeout=TIMEOUT)
             assert np.array_equal(buf, payload(8 * MIB, 5))
             put(["received"])
+        get()
+
+
+# -- Dask across hosts (tests/test_hosts_dask.py) -----------------------------
+
+
+def _serve_until_told(make) -> None:
+    """Run ``await make()`` (a Dask server, as an async context manager's
+    object) in an event loop, say ``["address", its address]``, and close it
+    once the test writes a line."""
+    import asyncio
+
+    async def main():
+        async with await make() as server:
+            put(["address", server.address])
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, sys.stdin.readline)
+
+    asyncio.run(main())
+
+
+def dask_scheduler(scheme: str, host: str) -> None:
+    """A ``distributed.Scheduler`` listening on ``scheme://host:0``."""
+    from distributed import Scheduler
+
+    async def make():
+        return Scheduler(host=host, port=0, protocol=scheme, dashboard=False)
+
+    _serve_until_told(make)
+
+
+def dask_worker(scheduler: str, interface: str = "") -> None:
+    """A ``distributed.Worker`` of ``scheduler`` given no host, as ``dask
+    worker SCHEDULER`` starts one (Dask picks what it listens on and the
+    address it gives out), or given ``interface`` (``--interface``)."""
+    from distributed import Worker
+
+    async def make():
+        return Worker(
+            scheduler,
+            nthreads=1,
+            dashboard=False,
+            memory_limit=0,
+            interface=interface or None,
+        )
+
+    _serve_until_told(make)
+
+
+def comms_seen(dask_worker) -> list:
+    """Every comm this Dask server holds (the scheduler's batched stream,
+    pooled and incoming comms): ``[local, peer, same_host, data endpoint
+    (gpucx:// only), transport names (gpucx:// only)]`` each."""
+    comms = set(dask_worker._comms)  # comms accepted and being handled
+    for pooled in (dask_worker.rpc.available, dask_worker.rpc.occupied):
+        for group in pooled.values():
+            comms |= set(group)
+    streams = [getattr(dask_worker, "batched_stream", None)]
+    streams += getattr(dask_worker, "stream_comms", {}).values()  # a scheduler's
+    for stream in streams:
+        if stream is not None and stream.comm is not None:
+            comms.add(stream.comm)
+    return [_comm_seen(c) for c in comms if not c.closed()]
+
+
+def _comm_seen(c) -> list:
+    """``[local, peer, same_host, transports]`` of a Dask comm; for
+    ``gpucx://``, the transport names of the connection's endpoint and,
+    where the comm has one, of its same-host data endpoint (None when it
+    has none)."""
+    transports = None
+    if type(c).__name__ == "GpucxComm":
+        transports = [sorted({name for name, _ in c._ep.transports}), None]
+        if c._dep is not c._ep:
+            transports[1] = sorted({name for name, _ in c._dep.transports})
+    return [c.local_address, c.peer_address, c.same_host, transports]
+
+
+def _fetched_from(dask_worker) -> list:
+    """Who this worker fetched data from, and how many bytes (Dask's own
+    ``transfer_incoming_log``)."""
+    return [[d["who"], d["total"]] for d in dask_worker.transfer_incoming_log]
+
+
+def dask_client(scheduler: str) -> None:
+    """Connect to ``scheduler`` and wait for two workers; make an 8 MiB
+    array and a small one on each worker and have a task on the other one
+    take it (``workers=[...]``, ``allow_other_workers=False``: Dask fetches
+    it worker to worker); then report the workers' addresses, what each
+    fetched from where, and every comm of each worker."""
+    from distributed import Client
+
+    with Client(scheduler, timeout=30) as c:
+        c.wait_for_workers(2, timeout=30)
+        wa, wb = sorted(c.scheduler_info()["workers"])
+        sums = []
+        for src, dst in ((wa, wb), (wb, wa)):
+            for n in (1000, 8 * MIB):
+                x = c.submit(payload, n, 5, workers=[src], pure=False)
+                y = c.submit(
+                    np.sum, x, workers=[dst], allow_other_workers=False, pure=False
+                )
+                sums.append(int(y.result(timeout=30)) == int(payload(n, 5).sum()))
+                del x, y
+        put(
+            [
+                "done",
+                [wa, wb],
+                sums,
+                c.run(_fetched_from),
+                c.run(comms_seen),
+                c.run_on_scheduler(comms_seen),
+                comms_seen_client(c),
+            ]
+        )
+        get()
+
+
+def comms_seen_client(client) -> list:
+    """The client's comm to the scheduler, as :func:`comms_seen` says it."""
+    return [_comm_seen(client.scheduler_comm.comm)]
+
+
+def dask_comm(side: str, scheme: str, host: str, timeout: str) -> None:
+    """One end of a ``distributed.comm`` connection that the test cuts.
+
+    Side "a" listens on ``host`` and says ``["address", ...]``; side "b"
+    connects to the address the test gives it.  "a" writes one message,
+    "b" reads it; then each posts a read that nothing will answer and says
+    "ready".  The reads end when the comm learns that the other host is
+    gone: each side then says ``["ended", exception name, monotonic
+    time]``.  ``timeout`` (seconds) is ``distributed-gpucx.peer-timeout``
+    for ``gpucx://`` and ``distributed.comm.timeouts.tcp`` for ``tcp://``.
+    """
+    import asyncio
+
+    import dask.config
+    from distributed.comm import connect, listen
+
+    async def pending_read(comm) -> None:
+        put(["ready"])
+        try:
+            await asyncio.wait_for(comm.read(), TIMEOUT)
+            name = "read"
+        except Exception as exc:  # what ended it is the report
+            name = type(exc).__name__
+        put(["ended", name, time.monotonic()])
+
+    async def main():
+        if side == "b":
+            comm = await connect(get(), timeout=TIMEOUT)
+            assert await comm.read() == "hello"
+            await pending_read(comm)
+            return
+        accepted: asyncio.Queue = asyncio.Queue()
+
+        async def handle(comm):
+            await accepted.put(comm)
+            await asyncio.sleep(3600)  # the comm stays open
+
+        async with listen(f"{scheme}://{host}:0", handle) as lst:
+            put(["address", lst.contact_address])
+            comm = await accepted.get()
+            await comm.write("hello")
+            await pending_read(comm)
+
+    cfg = {
+        "distributed-gpucx.peer-timeout": f"{timeout}s",
+        "distributed.comm.timeouts.tcp": f"{timeout}s",
+    }
+    with dask.config.set(cfg):
+        asyncio.run(main())
+    get()  # the test has everything
+
+
+# -- a hostile flood across the link (tests/test_hosts_flood.py) --------------
+
+
+class _Chan:
+    """The ``chan`` of the one-host flood and fuzz peers (tests/peers_flood.py,
+    tests/peers_fuzz.py), over this program's stdin/stdout."""
+
+    def put(self, obj) -> None:
+        put(obj)
+
+    def get(self, timeout: float | None = None):
+        return get()  # a hang ends at GPUCX_PEER_DEADLINE
+
+
+def flooder(kind: str, n: str, size: str) -> None:
+    """``peers_flood.flood`` from this host: ``n`` eager messages of ``size``
+    bytes of ``kind`` to the survivor, then a tag message."""
+    from peers_flood import flood
+
+    flood(_Chan(), "default", kind, int(n), int(size))
+
+
+def hostile_arrays() -> None:
+    """``peers_fuzz.hostile_array_peer`` from this host: the messages (header,
+    payload size, protocol) come from the test."""
+    from peers_fuzz import hostile_array_peer
+
+    chan = _Chan()
+    messages = get()
+    hostile_array_peer("default", chan, messages)
+
+
+def rss() -> int:
+    """This process's resident memory in bytes (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def survivor(n: str, size: str, hostile: str) -> None:
+    """The receiver of a flood from one host while another host sends it
+    malformed array messages.
+
+    Takes the first flood message with a posted AM receive, as an
+    application would, then only progresses (the rest are unexpected, kept
+    up to the caps and dropped beyond).  Meanwhile it receives ``hostile``
+    malformed array messages and a good array from the other peer with
+    ``recv_array``.  Once the test says the flood is over, receives the
+    flooder's tag message and reports its resident memory growth, the AM
+    queue's counters, the warnings, and how each array message ended.
+    """
+    import dataclasses
+    import warnings
+
+    from peers_flood import AFTER_TAG, FLOOD_AM_ID
+
+    n_msgs, nbytes = int(n), int(size)
+    with (
+        gpucx.Context() as ctx,
+        warnings.catch_warnings(record=True) as rec,
+    ):
+        warnings.simplefilter("always")
+        w = ctx.create_worker()
+        first = np.zeros(nbytes, np.uint8)
+        req = w.am_recv_nb(FLOOD_AM_ID, first)
+        put(["address", w.address])
+        flood_ep = w.connect(get())  # the flooder's address
+        arrays_ep = w.connect(get())  # the hostile peer's
+        req.wait(TIMEOUT)
+        base = peak = rss()
+        arrays = []
+        for _ in range(int(hostile)):
+            try:
+                arrays_ep.recv_array(timeout=TIMEOUT)
+                arrays.append("received")
+            except ValueError as exc:
+                arrays.append(str(exc))
+            peak = max(peak, rss())
+        good = arrays_ep.recv_array(timeout=TIMEOUT)
+        good_ok = bool(np.array_equal(good, np.arange(1000, dtype=np.float64)))
+        left = n_msgs - 1
+        flooded = False
+        while True:
+            for _ in range(200):
+                w.progress()
+            s = w.stats()["am_kept"]
+            peak = max(peak, rss())
+            if not flooded and select.select([sys.stdin], [], [], 0)[0]:
+                flooded = get() == "flooded"
+            if flooded and s.count + s.dropped >= left:
+                break
+        buf = bytearray(64)
+        info = w.recv(buf, tag=AFTER_TAG, timeout=TIMEOUT)
+        after = bytes(buf[: info.nbytes]).decode()
+        drops = [
+            str(r.message)
+            for r in rec
+            if issubclass(r.category, gpucx.DroppedMessagesWarning)
+        ]
+        put(
+            [
+                "done",
+                peak - base,
+                dataclasses.asdict(w.stats()["am_kept"]),
+                drops,
+                arrays,
+                good_ok,
+                after,
+                [flood_ep.transports, arrays_ep.transports],
+            ]
+        )
         get()
 
 

@@ -1,12 +1,15 @@
-"""Two hosts on one machine: network namespaces joined by a veth pair
+"""Two hosts on one machine: network namespaces joined through a bridge
 (tests/hosts.py), one process on each, reaching each other by TCP only."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import hosts as hostlib
 import pytest
@@ -47,22 +50,67 @@ def test_every_transfer_across_hosts(hosts, how):
     owner.join(30)
 
 
+def _boot_id(host) -> str:
+    proc = host.popen(
+        ["cat", "/proc/sys/kernel/random/boot_id"], stdout=subprocess.PIPE
+    )
+    out, _ = proc.communicate(timeout=10)
+    return out.strip()
+
+
 def test_namespaces_are_torn_down():
-    """The fixture leaves no namespace, interface or process behind."""
+    """The fixture leaves no namespace, interface, process or file behind;
+    three hosts (the bridge takes any number) each see a boot id of their
+    own."""
     reason = hostlib.unavailable_reason()
     if reason:
         pytest.skip(f"two hosts on one machine: {reason}")
-    with hostlib.make_hosts() as (a, b):
-        names = [a.ns, b.ns, a.wire_ns]
+    with hostlib.make_hosts(3) as (a, b, c):
+        names = [a.ns, b.ns, c.ns, a.wire_ns]
+        boot_files = [h.boot_id_file for h in (a, b, c)]
         proc = a.popen(["sleep", "600"])
         peer = b.python("-c", "import time; time.sleep(600)")
+        boots = {_boot_id(h) for h in (a, b, c)}
+        machine = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        assert len(boots) == 3 and machine not in boots, (boots, machine)
+        assert c.address == f"{hostlib.SUBNET}.3"
     assert proc.poll() is not None and peer.proc.poll() is not None
+    assert not any(Path(f).exists() for f in boot_files), boot_files
     listed = subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True
     ).stdout
     assert not any(n in listed for n in names), listed
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "gxh" not in links and "gxw" not in links and "gxbr" not in links, links
+
+
+def test_a_dead_runs_boot_id_folder_is_removed(tmp_path):
+    """A run killed outright leaves its folder of boot ids; the next
+    ``make_hosts`` removes it (and keeps a live run's)."""
+    reason = hostlib.unavailable_reason()
+    if reason:
+        pytest.skip(f"two hosts on one machine: {reason}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tmp = Path(hostlib.tempfile.gettempdir())
+    stale = tmp / f"{hostlib.PREFIX}{dead.pid}-boot-test"
+    live = tmp / f"{hostlib.PREFIX}{os.getppid()}-boot-test"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "a").write_text("x\n")
+    try:
+        with hostlib.make_hosts(1):
+            pass
+        assert not stale.exists() and live.exists()
+    finally:
+        for folder in (stale, live):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("n", [0, 9])
+def test_make_hosts_refuses_a_count_it_cannot_name(n):
+    with pytest.raises(ValueError, match="n must be 1-8"), hostlib.make_hosts(n):
+        pass
 
 
 def test_bench_server_and_client_across_hosts(hosts, tmp_path):
