@@ -96,32 +96,16 @@ def dask_point(a, b, scheme: str, iters: int) -> dict[int, float]:
     return {int(k): float(v) for k, v in out.items()}
 
 
-def _bench(a, b, test: str, size: int, iters: int) -> dict:
-    """``across_hosts.gpucx_point``, tried again when only the bench's last
-    step failed: ``gpucx bench --server`` force-closes its endpoint right
-    after answering the client's "quit", and across TCP the client then
-    sometimes loses that answer ("quit: the peer went away", 1-2 runs in
-    25 here); the figures were measured, but the client writes no JSON."""
-    from across_hosts import gpucx_point
-
-    for attempt in range(3):
-        try:
-            return gpucx_point(a, b, test, size, iters)
-        except RuntimeError as exc:
-            if "quit: the peer went away" not in str(exc) or attempt == 2:
-                raise
-            print(f"{test} {size}: again ({str(exc)[:60]}...)", flush=True)
-    raise AssertionError("unreachable")
-
-
 def core_point(a, b, iters: int) -> dict[int, float]:
     """gpucx's core across the link: the median tag round trip (s) per size
     of ``SIZES`` (``tag_lat``: a ping-pong as the comm level's, one message
     at a time; its one-way figure is half the round trip)."""
+    from across_hosts import gpucx_point
+
     out = {}
     for size in SIZES:
         n = iters * 10 if size <= 1 << 20 else max(10, iters // 20)
-        out[size] = 2 * _bench(a, b, "tag_lat", size, n)["latency_us"] * 1e-6
+        out[size] = 2 * gpucx_point(a, b, "tag_lat", size, n)["latency_us"] * 1e-6
     return out
 
 
