@@ -197,6 +197,11 @@ def parse_header(header: bytes, nbytes: int):
     return dt, shape, memtype
 
 
+#: parse_header of the headers seen last: a stream of arrays repeats a few
+#: headers (a pure function of the bytes; errors are not cached).
+_parsed = functools.lru_cache(maxsize=256)(parse_header)
+
+
 def _prepare(ep, arr):
     if ep.closed:
         raise_closed(ep)
@@ -600,7 +605,7 @@ def _begin(e, am, q, key, pending, limit, allocator, device, stream):
             f"max_bytes={limit} (GPUCX_MAX_ARRAY_BYTES); the array was dropped"
         )
     try:
-        dtype, shape, memtype = parse_header(msg.header, nbytes)
+        dtype, shape, memtype = _parsed(msg.header, nbytes)
         if memtype not in _RECEIVABLE:
             raise ValueError(
                 f"array header memory type {MemoryType(memtype).name} is not "
@@ -613,7 +618,11 @@ def _begin(e, am, q, key, pending, limit, allocator, device, stream):
     # CUDA device memory in a native byte order): no views to build after.
     shaped = allocator is None and dtype.isnative and memtype != _MANAGED
     try:
-        if shaped:
+        if shaped and memtype == _HOST:
+            import numpy as np
+
+            raw = np.empty(shape, dtype)  # _default_allocator's host case, inlined
+        elif shaped:
             raw = _default_allocator(nbytes, memtype, device, dtype, shape)
         else:
             raw = _allocate(allocator, nbytes, memtype, device)
