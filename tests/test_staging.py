@@ -205,6 +205,22 @@ def test_option_off_takes_the_direct_path(drv):
             done()
 
 
+def test_option_from_the_environment(drv, monkeypatch):
+    monkeypatch.setenv("GPUCX_STAGING_BYTES", "0")
+    with gpucx.Context() as ctx:
+        pair = Pair(ctx)
+        done = sender_thread(pair, [np.ones(100, np.uint8)])
+        try:
+            with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot"):
+                pair.ba.recv_array(timeout=30, allocator=device_allocator(drv))
+            pair.ba.recv_array(timeout=30)
+        finally:
+            done()
+    assert counts(drv)["htod"] == 0
+    with gpucx.Context(config={"GPUCX_STAGING_BYTES": 1 << 20}) as ctx:
+        assert ctx._options["STAGING_BYTES"] == 1 << 20  # config wins
+
+
 def test_option_is_validated():
     with pytest.raises(ValueError, match="whole number"):
         gpucx.Context(config={"GPUCX_STAGING_BYTES": 1.5})
