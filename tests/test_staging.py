@@ -243,6 +243,20 @@ def test_payload_over_the_cap_takes_the_direct_path(drv):
             done()
 
 
+def test_no_pinned_memory_takes_the_direct_path(drv, ctx):
+    pair = Pair(ctx)
+    done = sender_thread(pair, [np.ones(1 << 20, np.uint8)])
+    try:
+        target = device_allocator(drv)(1 << 20, HOST)
+        drv._lib.fake_set_alloc_limit(1 << 19)  # cuMemHostAlloc of 1 MiB fails
+        with pytest.raises(gpucx.UnsupportedError, match="CUDA memory cannot"):
+            pair.ba.recv_array(timeout=30, allocator=lambda n, m: target)
+        assert counts(drv)["host_allocs"] == 0 and pool(pair.b).total == 0
+        pair.ba.recv_array(timeout=30)  # the array stayed queued
+    finally:
+        done()
+
+
 def test_pool_bounded_while_lent(drv):
     p = _staging.Pool(1 << 17)
     with gcuda.on_device(0):
