@@ -24,6 +24,7 @@ from peers_ipc import fake_driver
 import gpucx
 from gpucx.mem import cuda as gcuda
 from gpucx.ops import _staging
+from gpucx.request import in_flight
 
 from conftest import Pair, channel_pair, join_ok, pump, spawn, transport_config
 from fakegpu import FakeCudaArrayV2, FakeCupyStream, build_fake_libcuda
@@ -345,6 +346,37 @@ def test_recv_array_nb_many_posted_staged(drv, ctx):
         assert view[: a.nbytes].tobytes() == a.tobytes()
     assert counts(drv)["htod"] == len(arrs)
     assert pool(pair.b).lent == 0
+
+
+def matched(pair, req, done: bool = False) -> None:
+    """Progress until ``req`` took its array (and its receive is over)."""
+    pump(pair, lambda: req._inner is not None and not (done and in_flight(req)))
+
+
+def test_dropped_request_gives_its_bounce_buffer_back(drv, ctx):
+    pair = Pair(ctx)
+    req = pair.ba.recv_array_nb(device_allocator(drv))
+    send = pair.ab.send_array_nb(np.ones(1 << 20, np.uint8))
+    pair.drive(send)
+    matched(pair, req, done=True)
+    p = pool(pair.b)
+    assert p.lent == 1  # received into the bounce buffer, never waited for
+    del req
+    assert p.lent == 0 and len(p.free) == 1 and counts(drv)["htod"] == 0
+
+
+def test_dropped_request_in_flight_gives_its_buffer_up(drv, ctx):
+    pair = Pair(ctx)
+    req = pair.ba.recv_array_nb(device_allocator(drv))
+    send = pair.ab.send_array_nb(np.ones(1 << 20, np.uint8), proto="rndv")
+    matched(pair, req)  # the fetch posted
+    p = pool(pair.b)
+    if not in_flight(req):
+        pytest.skip("the transfer finished before it could be dropped")
+    assert p.lent == 1 and p.total == 1 << 20
+    del req
+    assert p.lent == 0 and p.total == 0  # given up, not reused
+    pair.drive(send)
 
 
 def test_recv_array_nb_copy_failure_fails_the_request(drv, ctx):

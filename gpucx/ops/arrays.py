@@ -886,6 +886,18 @@ class ArrayRequest(Request):
         self._state = 1
         self._value = out
 
+    def __del__(self) -> None:
+        # Dropped unwaited with an array staged: its bounce buffer goes back
+        # to the pool once the receive into it is over (else it is given
+        # up: UCX may still write it).
+        staged = self._staged
+        if staged is not None and _staging is not None:
+            pool = self._am.staging
+            if _observe(self._inner):
+                pool.give(staged[0])
+            else:
+                _staging.forfeit(pool, staged[0])
+
     def _unmatched_failure(self):
         """The error of a request whose peer died or endpoint closed, or
         None while it may still match."""
