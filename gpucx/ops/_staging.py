@@ -24,6 +24,8 @@ This module is the policy; the driver calls are :mod:`gpucx.mem.cuda`'s.
 
 from __future__ import annotations
 
+import threading
+
 from .._lib import ffi
 from ..mem import cuda as _cuda
 
@@ -74,7 +76,16 @@ class Pool:
         Buffers lent to receives or copies in flight.
     """
 
-    __slots__ = ("cap", "free", "total", "allocs", "lent", "streams", "closed")
+    __slots__ = (
+        "cap",
+        "free",
+        "total",
+        "allocs",
+        "lent",
+        "streams",
+        "closed",
+        "lock",
+    )
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -84,6 +95,8 @@ class Pool:
         self.lent = 0
         self.streams: dict = {}  # context -> gpucx's copy stream in it
         self.closed = False
+        # Threads of a "multi" worker may stage at once.
+        self.lock = threading.Lock()
 
     def take(self, nbytes: int) -> Bounce | None:
         """A free buffer of at least ``nbytes`` bytes, made if the cap
@@ -96,6 +109,10 @@ class Pool:
         """
         if self.closed or not 0 < nbytes <= self.cap:
             return None
+        with self.lock:
+            return self._take(nbytes)
+
+    def _take(self, nbytes: int) -> Bounce | None:
         best = None
         for b in self.free:
             if b.size >= nbytes and (best is None or b.size < best.size):
@@ -122,18 +139,20 @@ class Pool:
 
     def give(self, b: Bounce) -> None:
         """Take a buffer back (its receive and copy are over)."""
-        self.lent -= 1
-        if self.closed:
-            self._free(b)
-        else:
-            self.free.append(b)
+        with self.lock:
+            self.lent -= 1
+            if self.closed:
+                self._free(b)
+            else:
+                self.free.append(b)
 
     def forfeit(self, b: Bounce) -> None:
         """Let a buffer go without reusing or freeing it: its receive
         failed and UCX may still hold it (a canceled transfer parked with
         the engine).  Its memory stays allocated, out of the pool's count."""
-        self.lent -= 1
-        self.total -= b.size
+        with self.lock:
+            self.lent -= 1
+            self.total -= b.size
 
     def _trim(self) -> None:
         """Free the idle buffers (none fits the next payload)."""
@@ -150,8 +169,9 @@ class Pool:
     def close(self) -> None:
         """The worker closes: free the idle buffers and the streams; a
         buffer still lent is freed when given back."""
-        self.closed = True
-        self._trim()
+        with self.lock:
+            self.closed = True
+            self._trim()
         _cuda.destroy_streams(self.streams)
 
 
