@@ -294,7 +294,7 @@ def _close(am) -> None:
     am.array_waiters = {}
     for ws in waiters.values():
         for w in ws:
-            w._settle_failed(error_for(lib.UCS_ERR_CANCELED, _NB), closed=True)
+            w._settle_failed(ClosedError(f"{_NB}: the worker closed first"))
     pool = am.staging
     if pool is not None:
         pool.close()
@@ -753,7 +753,8 @@ def recv_array_nb(
         ``cancel()`` or a ``wait`` timeout before the array arrived
         withdraws the request (it fails with :class:`~gpucx.CanceledError`;
         the array goes to the next request); once the array is arriving,
-        they cancel its transfer (the array is lost).
+        they cancel its transfer as for any receive (UCX may still finish a
+        rendezvous fetch under way; a canceled array is lost).
 
     Raises
     ------
@@ -841,10 +842,8 @@ class ArrayRequest(Request):
             self._slot = req._slot
         return True
 
-    def _settle_failed(self, exc, closed: bool = False) -> None:
+    def _settle_failed(self, exc) -> None:
         """Fail with ``exc`` before an array matched."""
-        if closed:
-            exc = ClosedError(f"{_NB}: the worker closed before an array came")
         self._state = 2
         self._value = exc
         self._slot.status = lib.UCS_ERR_CANCELED
