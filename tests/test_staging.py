@@ -8,7 +8,7 @@ a set number of times), and the receiver's allocator returns such memory
 behind a fake ``__cuda_array_interface__``.  UCX here has no CUDA
 transport: UCX itself cannot write that memory, so an array that arrives
 intact came through the staging path.  The same on a GPU, with CuPy:
-tests/test_cuda.py ``test_staging_*``.
+tests/test_cuda_staging.py.
 """
 
 from __future__ import annotations
