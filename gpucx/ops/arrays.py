@@ -776,6 +776,21 @@ def recv_array_nb(
     return req
 
 
+def _const_slot(status: int):
+    slot = _new_slot()
+    slot.status = status
+    return slot
+
+
+# The slots of an ArrayRequest before its array's receive has one of its
+# own: waiting for an array, an eager array copied when posted, failed.
+# Shared and never written: nothing cancels or releases them (UCX holds
+# none; ArrayRequest.cancel and _complete do not).
+_WAITING = _const_slot(_INPROGRESS)
+_MATCHED = _const_slot(lib.UCS_OK)
+_SETTLED = _const_slot(lib.UCS_ERR_CANCELED)
+
+
 class ArrayRequest(Request):
     """The :class:`~gpucx.Request` of :func:`recv_array_nb`: waits for the
     sender's next array, then for its transfer (and, on the staging path,
@@ -786,24 +801,24 @@ class ArrayRequest(Request):
     def __init__(self, e, ep, key: int, args):
         # The fields of Request, for a slot gpucx completes until an array
         # matches; then the slot is the receive's (UCX completes it).
-        slot = _new_slot()
-        slot.status = _INPROGRESS
-        self._slot = slot
+        self._slot = _WAITING
         self._engine = e
-        self._keep = None
-        self._holds = None
-        self._what = _NB
-        self._finish = None
         self._ep = ep
-        self._nbytes = None
+        self._keep = self._value = None
         self._state = 0
-        self._value = None
         self._key = key
         self._args = args
         self._inner = None
         self._out = None
         self._staged = None
         self._am = e.am
+
+    # Request's fields that never change here, as class constants (as
+    # request._Done's): fewer stores per request.
+    _holds = None
+    _what = _NB
+    _finish = None
+    _nbytes = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -834,7 +849,7 @@ class ArrayRequest(Request):
         self._inner = req
         self._keep = req
         if _observe(req):  # an eager array, copied when posted
-            self._slot.status = lib.UCS_OK
+            self._slot = _MATCHED
         else:
             # From now on this request reads the receive's slot (what the
             # engine and the asyncio driver look at); the receive's own
@@ -846,7 +861,7 @@ class ArrayRequest(Request):
         """Fail with ``exc`` before an array matched."""
         self._state = 2
         self._value = exc
-        self._slot.status = lib.UCS_ERR_CANCELED
+        self._slot = _SETTLED
 
     def _withdraw(self) -> None:
         waiters = self._am.array_waiters.get(self._key)
