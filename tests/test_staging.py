@@ -301,6 +301,20 @@ def test_stream_order(drv, ctx):
     assert lib.fake_seq_wait() < lib.fake_seq_htod()
 
 
+def test_bad_stream_fails_before_a_buffer_is_taken(drv, ctx):
+    pair = Pair(ctx)
+    done = sender_thread(pair, [np.ones(1 << 20, np.uint8)])
+    try:
+        with pytest.raises(TypeError, match="stream must be"):
+            pair.ba.recv_array(
+                timeout=30, allocator=device_allocator(drv), stream=object()
+            )
+        assert pool(pair.b).lent == 0
+        pair.ba.recv_array(timeout=30)  # the array stayed queued
+    finally:
+        done()
+
+
 def test_driver_failure_during_the_copy(drv, ctx):
     pair = Pair(ctx)
     a, b = np.ones(1 << 20, np.uint8), np.full(5000, 7, np.uint8)

@@ -667,6 +667,12 @@ def _stage(e, am, raw, nbytes: int, stream):
     ptr, n, mt, keep = acquire(raw, True, None, True)
     if mt != _CUDA or n < nbytes:
         return None  # managed memory, or a short buffer (UCX says so)
+    after = []
+    if type(keep) is _cuda.Deferred:
+        after.append(keep.stream)  # the target's producer (CAI v3 stream)
+    handle = _cuda.as_stream(stream)  # a bad stream raises before a take
+    if handle is not None and handle not in after:
+        after.append(handle)
     dst = int(ffi.cast("uintptr_t", ptr))
     pushed = _cuda.enter(dst)  # cuMemHostAlloc needs a context
     try:
@@ -677,12 +683,6 @@ def _stage(e, am, raw, nbytes: int, stream):
         _cuda.leave(pushed)
     if b is None:
         return None
-    after = []
-    if type(keep) is _cuda.Deferred:
-        after.append(keep.stream)  # the target's producer (CAI v3 stream)
-    handle = _cuda.as_stream(stream)
-    if handle is not None and handle not in after:
-        after.append(handle)
     return b, dst, nbytes, tuple(after), keep
 
 
