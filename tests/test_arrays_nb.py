@@ -127,11 +127,15 @@ def test_max_bytes_fails_one_request_the_next_gets_the_next_array(pair):
     check_same(r2.wait(1), small)
 
 
-def test_max_bytes_invalid(pair):
+def test_bad_arguments_fail_when_posted(pair):
     with pytest.raises(ValueError, match=">= 0"):
         pair.ba.recv_array_nb(max_bytes=-1)
     with pytest.raises(TypeError, match="int or None"):
         pair.ba.recv_array_nb(max_bytes=1.5)
+    with pytest.raises(TypeError, match="stream must be"):
+        pair.ba.recv_array_nb(stream=object())
+    with pytest.raises(ValueError, match="stream handle must be >= 0"):
+        pair.ba.recv_array_nb(stream=-1)
     assert not pair.b._engine.am.array_waiters
 
 

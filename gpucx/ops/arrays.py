@@ -759,13 +759,15 @@ def recv_array_nb(
     Raises
     ------
     TypeError, ValueError
-        For a bad ``max_bytes``.
+        For a bad ``max_bytes`` or ``stream``.
     gpucx.ClosedError
         If the endpoint is closed.
     gpucx.UnsupportedError
         If the context was created without the ``"am"`` feature.
     """
     e, am, key = _receiver(ep)
+    if stream is not None:
+        _cuda.as_stream(stream)  # a bad stream fails here, not on arrival
     req = ArrayRequest(e, ep, key, (_limit(e, max_bytes), allocator, device, stream))
     waiters = am.array_waiters.get(key)
     if waiters is None:
