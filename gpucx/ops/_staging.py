@@ -98,9 +98,11 @@ class Pool:
         # Threads of a "multi" worker may stage at once.
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int) -> Bounce | None:
+    def take(self, nbytes: int, dst: int = 0) -> Bounce | None:
         """A free buffer of at least ``nbytes`` bytes, made if the cap
-        allows; None when the pool cannot take the payload now.
+        allows (with the context owning device address ``dst`` current, as
+        ``cuMemHostAlloc`` needs one); None when the pool cannot take the
+        payload now.
 
         Raises
         ------
@@ -110,9 +112,9 @@ class Pool:
         if self.closed or not 0 < nbytes <= self.cap:
             return None
         with self.lock:
-            return self._take(nbytes)
+            return self._take(nbytes, dst)
 
-    def _take(self, nbytes: int) -> Bounce | None:
+    def _take(self, nbytes: int, dst: int) -> Bounce | None:
         best = None
         for b in self.free:
             if b.size >= nbytes and (best is None or b.size < best.size):
@@ -130,8 +132,11 @@ class Pool:
             self._trim()
             if self.total + size > self.cap:
                 return None  # the rest is lent: take the direct path
-        drv = _cuda.driver()
-        ptr = drv.mem_host_alloc(size, _cuda.HOSTALLOC_PORTABLE)
+        pushed = _cuda.enter(dst)
+        try:
+            ptr = _cuda.driver().mem_host_alloc(size, _cuda.HOSTALLOC_PORTABLE)
+        finally:
+            _cuda.leave(pushed)
         self.total += size
         self.allocs += 1
         self.lent += 1

@@ -397,12 +397,28 @@ def _cupy_empty(cupy, nbytes: int, memory_type: int, dtype, shape):
     return cupy.empty(nbytes, cupy.uint8)
 
 
-def _as_array(raw, typestr, shape, memory_type, nbytes):
-    cai = getattr(raw, "__cuda_array_interface__", None)
-    if cai is not None:
+_NOT_YET: object = object()
+_cupy_module: object = _NOT_YET
+
+
+def _cupy():
+    """CuPy, or None where it does not import (asked once: a failing
+    import searches the whole path every time)."""
+    global _cupy_module
+    if _cupy_module is _NOT_YET:
         try:
             import cupy
         except ImportError:
+            cupy = None
+        _cupy_module = cupy
+    return _cupy_module
+
+
+def _as_array(raw, typestr, shape, memory_type, nbytes):
+    cai = getattr(raw, "__cuda_array_interface__", None)
+    if cai is not None:
+        cupy = _cupy()
+        if cupy is None:
             # Device memory from the allocator and no CuPy to view it: the
             # allocator's object itself holds the array's bytes.
             return raw
@@ -674,13 +690,10 @@ def _stage(e, am, raw, nbytes: int, stream):
     if handle is not None and handle not in after:
         after.append(handle)
     dst = int(ffi.cast("uintptr_t", ptr))
-    pushed = _cuda.enter(dst)  # cuMemHostAlloc needs a context
     try:
-        b = pool.take(nbytes)
+        b = pool.take(nbytes, dst)
     except _cuda.DriverError:
         b = None  # no page-locked memory to be had: the direct path
-    finally:
-        _cuda.leave(pushed)
     if b is None:
         return None
     return b, dst, nbytes, tuple(after), keep
