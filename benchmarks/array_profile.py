@@ -2,7 +2,7 @@
 two processes, as ``gpucx bench -t array_bw`` sends them but one blocking
 array at a time.
 
-    python benchmarks/array_profile.py [cupy|numpy] [NBYTES] [ITERS]
+    python benchmarks/array_profile.py [cupy|numpy] [NBYTES] [ITERS] [WINDOW]
 
 Prints the receiver's time per array (the peer sends with a blocking
 ``send_array``), the same peer's blocking tag send into one receive buffer
@@ -10,11 +10,14 @@ for comparison, the receiver's pieces timed alone (allocation, for CuPy
 the views ``recv_array`` once built, the CUDA array interface and
 ``gpucx.mem.as_buffer``) and a cProfile of the receiver's loop, sorted by
 own time.  On a GPU machine ``cupy`` (the default) measures device arrays;
-``numpy`` runs anywhere.
+``numpy`` runs anywhere.  WINDOW (default 0: blocking ``recv_array``)
+keeps that many ``recv_array_nb`` posted instead, as ``gpucx bench -t
+array_bw`` receives.
 """
 
 from __future__ import annotations
 
+import collections
 import cProfile
 import multiprocessing as mp
 import pstats
@@ -63,6 +66,7 @@ def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "cupy"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 1 << 20
     iters = int(sys.argv[3]) if len(sys.argv) > 3 else 2000
+    window = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     import gpucx
 
     xp = _xp(name)
@@ -78,14 +82,22 @@ def main() -> None:
         ours.send("array")
 
         def arrays(k: int) -> None:
-            for _ in range(k):
-                ep.recv_array(timeout=30)
+            if not window:
+                for _ in range(k):
+                    ep.recv_array(timeout=30)
+                return
+            posted: collections.deque = collections.deque()
+            for i in range(k):
+                while len(posted) < window and i + len(posted) < k:
+                    posted.append(ep.recv_array_nb())
+                posted.popleft().wait(30)
 
         arrays(300)
         t0 = time.perf_counter()
         arrays(iters)
         per = 1e6 * (time.perf_counter() - t0) / iters
-        print(f"{name} {n} B: recv_array {per:.1f} us an array (blocking send_array)")
+        how = f"{window} recv_array_nb posted" if window else "recv_array"
+        print(f"{name} {n} B: {how}: {per:.1f} us an array (blocking send_array)")
         prof = cProfile.Profile()
         prof.enable()
         arrays(iters)

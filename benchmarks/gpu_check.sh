@@ -29,6 +29,13 @@
 #    copy between the same memory kinds, and the fraction of it reached;
 #    then the protocols UCX picks on those paths (UCX_PROTO_INFO=y), one
 #    table per operation;
+#    and the two array rows of issue 34 at GPU_CHECK_ARRAY_SIZES (default
+#    8,64K,1M,64M), each with receiver-side staging on and off
+#    (GPUCX_STAGING_BYTES=0): array_bw -m host:cuda (NumPy arrays into
+#    device memory: the staging path, set against the pageable copy with
+#    the pinned one beside it in the JSON) and -m cuda (GPU to GPU, the
+#    receiver keeping a window of posted recv_array_nb); the staging tests
+#    of the cuda suite are reported on their own;
 # 8. writes one Markdown report (default benchmarks/gpu-check-report.md) with
 #    the machine, every step's result and time, the tables, and the tail of
 #    the log of each failed step.  Logs and bench JSON go to GPU_CHECK_LOGS
@@ -115,6 +122,15 @@ own_path() {   # MEMORY: put/get through the Python API, where gpucx's own
     "$GPY" -m gpucx.cli bench -t put_bw,get_bw --api python -s "${GPU_CHECK_SIZES:-1M,64M}" \
         -m "$1" --no-progress --json "$LOGS/own-${1/:/-}.json"
 }
+arrays() {   # MEMORY: array_bw alone, receiver-side staging on, then off
+    local sizes=${GPU_CHECK_ARRAY_SIZES:-8,64K,1M,64M} out=$LOGS/arrays-${1/:/-}
+    echo "## staging on (default GPUCX_STAGING_BYTES)" &&
+        "$GPY" -m gpucx.cli bench -t array_bw -s "$sizes" -m "$1" --no-progress \
+            --json "$out.json" &&
+        echo "## staging off (GPUCX_STAGING_BYTES=0: UCX receives into device memory)" &&
+        GPUCX_STAGING_BYTES=0 "$GPY" -m gpucx.cli bench -t array_bw -s "$sizes" \
+            -m "$1" --no-progress --json "$out-off.json"
+}
 proto_tables() {   # UCX_PROTO_INFO output -> each table about CUDA memory, once
     sed 's/^\[[^]]*\] \[[^]]*\] *//' | awk '
         /^\+-/ { next }
@@ -157,6 +173,9 @@ if [ $? -eq 0 ]; then
     step "gpucx's own CUDA IPC path: put/get -m host:cuda (--api python)" own_path host:cuda
     step "gpucx's own CUDA IPC path: put/get -m cuda:host (--api python)" own_path cuda:host
     step "UCX protocols of the GPU paths (UCX_PROTO_INFO)" protocols
+    step "receiver-side staging tests (cuda suite)" pytest_cuda tests/test_cuda_staging.py
+    step "gpucx bench array_bw -m host:cuda (NumPy arrays into GPU memory)" arrays host:cuda
+    step "gpucx bench array_bw -m cuda (GPU to GPU, posted recv_array_nb)" arrays cuda
 fi
 
 # -- the report ------------------------------------------------------------------

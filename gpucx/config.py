@@ -101,6 +101,11 @@ GPUCX_OPTIONS: dict[str, float] = {
     # peer_timeout_options, docs/reliability.md "Peers on other hosts".
     # Also read from the environment.
     "PEER_TIMEOUT": 10.0,
+    # Most bytes of page-locked host memory a worker holds to stage host
+    # payloads into device memory (0 = off: UCX receives them straight into
+    # device memory); see gpucx.ops._staging and docs/gpu.md.  Also read from
+    # the environment.
+    "STAGING_BYTES": float(256 * _MiB),
 }
 #: gpucx options whose value must be a whole number.
 GPUCX_INTEGER_OPTIONS = frozenset(
@@ -115,11 +120,18 @@ GPUCX_INTEGER_OPTIONS = frozenset(
         "ARRAY_QUEUE_MAX_COUNT",
         "ARRAY_QUEUE_MAX_BYTES",
         "CUDA_IPC_RMA",
+        "STAGING_BYTES",
     }
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a
 #: ``Context(config=...)`` value wins.
-GPUCX_ENV_OPTIONS = ("PEER_CHECK_INTERVAL", "SPIN_US", "CUDA_IPC_RMA", "PEER_TIMEOUT")
+GPUCX_ENV_OPTIONS = (
+    "PEER_CHECK_INTERVAL",
+    "SPIN_US",
+    "CUDA_IPC_RMA",
+    "PEER_TIMEOUT",
+    "STAGING_BYTES",
+)
 
 
 def _number(name: str, value: object, where: str) -> float:

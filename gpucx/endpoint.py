@@ -371,6 +371,7 @@ class Endpoint(Handle):
     send_array = _arrays.send_array
     send_array_nb = _arrays.send_array_nb
     recv_array = _arrays.recv_array
+    recv_array_nb = _arrays.recv_array_nb
     # -- RMA and atomics (facades over gpucx.ops.rma / gpucx.ops.atomic) ------
 
     unpack = _rma.unpack

@@ -194,10 +194,12 @@ def test_every_bandwidth_test_has_a_direction():
         ("get_bw", "cuda:host", "h2d_pageable"),
         ("get_bw", "ucx:cuda", "d2h_pinned"),
         ("get_bw", "host:cuda", "d2h_pageable"),
-        # array_bw: recv_array allocates memory of the sender's kind.
+        # array_bw: recv_array allocates memory of the sender's kind, or
+        # device memory on a cuda server (the staging path for host data).
         ("array_bw", "cuda:host", "d2d"),
-        ("array_bw", "host:cuda", None),
-        ("array_bw", "ucx:cuda", None),
+        ("array_bw", "host:cuda", "h2d_pageable"),
+        ("array_bw", "ucx:cuda", "h2d_pinned"),
+        ("array_bw", "host", None),
         # No GPU memory, or a round trip.
         ("tag_bw", "host:ucx", None),
         ("put_bw", "ucx", None),

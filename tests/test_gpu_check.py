@@ -271,3 +271,29 @@ def test_copy_limits_step_over_a_fake_driver(tmp_path):
         "d2h_pageable",
     ]
     assert (tmp_path / "limits.json").exists()
+
+
+def test_arrays_step_runs_array_bw_with_staging_on_then_off(tmp_path):
+    """Issue 34's two array rows: array_bw alone at the array sizes, once
+    as configured and once with GPUCX_STAGING_BYTES=0."""
+    fake = tmp_path / "gpy"
+    fake.write_text('#!/bin/sh\necho "STAGING=${GPUCX_STAGING_BYTES:-} $*"\n')
+    fake.chmod(0o755)
+    p = subprocess.run(
+        ["bash", "-c", _function("arrays") + "arrays host:cuda"],
+        capture_output=True,
+        text=True,
+        env={"GPY": str(fake), "LOGS": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=20,
+    )
+    assert p.returncode == 0, p.stderr
+    runs = [line for line in p.stdout.splitlines() if "gpucx.cli" in line]
+    out = f"{tmp_path}/arrays-host-cuda"
+    common = "-m gpucx.cli bench -t array_bw -s 8,64K,1M,64M -m host:cuda --no-progress"
+    assert runs == [
+        f"STAGING= {common} --json {out}.json",
+        f"STAGING=0 {common} --json {out}-off.json",
+    ]
+    steps = SCRIPT.read_text()
+    assert "arrays host:cuda" in steps and "arrays cuda" in steps
+    assert "tests/test_cuda_staging.py" in steps

@@ -399,7 +399,7 @@ _REACH_CEILING = {
     "mem/region.py": 26,
     "mem/remote.py": 2,
     "ops/am.py": 23,
-    "ops/arrays.py": 12,
+    "ops/arrays.py": 16,  # recv_array_nb and staging (issue 34): +4
     "ops/atomic.py": 11,
     "ops/ipc.py": 20,
     "ops/rma.py": 38,

@@ -26,7 +26,8 @@ copy once.
 Which copy a row is set against (:func:`row_kind`): the direction of the data
 follows the test (``get_bw``: the server's memory into the client's; every
 other bandwidth test: the client's into the server's; ``array_bw``: the
-server's ``recv_array`` allocates memory of the sender's kind), ``cuda`` is
+server's ``recv_array`` allocates memory of the sender's kind, or device
+memory on a ``cuda`` server), ``cuda`` is
 device memory, ``ucx`` (host memory mapped by UCX) is set against the
 pinned copy and ``host`` (NumPy memory) against the pageable one, the JSON
 adding the pinned figure beside it.  Host-only rows and latency tests (a
@@ -89,7 +90,8 @@ MAX_REPS = 10000
 
 #: Where the data of each bandwidth test flows: "client>server",
 #: "server>client", or "client>alike" (the receiver allocates memory of the
-#: sender's kind: ``recv_array``'s default allocator).  Tests not named here
+#: sender's kind, ``recv_array``'s default allocator, or device memory when
+#: the server's memory is CUDA).  Tests not named here
 #: (latency tests) carry no limit; tests/test_bench_limits.py checks that
 #: every bandwidth test of ``gpucx.bench.suites`` is named.
 DIRECTIONS = {
@@ -243,7 +245,9 @@ def row_kind(test: str, memory: str) -> str | None:
     elif flow == "server>client":
         src, dst = server, client
     else:
-        src, dst = client, "cuda" if client == "cuda" else "host"
+        # recv_array allocates the sender's kind, unless the server's
+        # memory is CUDA: the bench then receives into device memory.
+        src, dst = client, "cuda" if "cuda" in (client, server) else "host"
     if src == dst == "cuda":
         return "d2d"
     if src == "cuda" and dst in _SIDES:

@@ -47,6 +47,9 @@ __all__ = [
     "as_stream",
     "prepare",
     "leave",
+    "htod_start",
+    "event_wait",
+    "destroy_streams",
     "door",
     "ready",
     "sync_stream",
@@ -93,6 +96,8 @@ class DriverError(RuntimeError):
 IPC_HANDLE_SIZE = 64
 #: ``CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS``.
 IPC_LAZY_ENABLE_PEER_ACCESS = 0x1
+#: ``CU_MEMHOSTALLOC_PORTABLE``: page-locked for every CUDA context.
+HOSTALLOC_PORTABLE = 0x1
 
 
 class IpcMemHandle(ctypes.Structure):
@@ -164,6 +169,10 @@ class Driver:
             ],
             "cuIpcCloseMemHandle": [ctypes.c_uint64],
             "cuStreamWaitEvent": [vp, vp, u],
+            # Receiver-side staging of host payloads into device memory
+            # (gpucx.ops._staging): pinned bounce buffers and their copy.
+            "cuMemHostAlloc": [ctypes.POINTER(vp), ctypes.c_size_t, u],
+            "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, vp, ctypes.c_size_t, vp],
         }
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
@@ -437,6 +446,33 @@ class Driver:
     def mem_free_host(self, ptr: int) -> None:
         """Free what :meth:`mem_alloc_host` returned (``cuMemFreeHost``)."""
         self._check(self._lib.cuMemFreeHost(ctypes.c_void_p(ptr)), "cuMemFreeHost")
+
+    def mem_host_alloc(self, nbytes: int, flags: int = 0) -> int:
+        """``nbytes`` of page-locked host memory (``cuMemHostAlloc``; free
+        with :meth:`mem_free_host`).  ``flags``: ``CU_MEMHOSTALLOC_*``
+        (:data:`HOSTALLOC_PORTABLE`: pinned for every context)."""
+        out = ctypes.c_void_p()
+        self._check(
+            self._lib.cuMemHostAlloc(
+                ctypes.byref(out), ctypes.c_size_t(nbytes), ctypes.c_uint(flags)
+            ),
+            "cuMemHostAlloc",
+        )
+        return out.value or 0
+
+    def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy of host memory at ``src`` into device memory at
+        ``dst`` on ``stream`` (``cuMemcpyHtoDAsync``: asynchronous to the
+        host when ``src`` is page-locked)."""
+        self._check(
+            self._lib.cuMemcpyHtoDAsync_v2(
+                ctypes.c_uint64(dst),
+                ctypes.c_void_p(src),
+                ctypes.c_size_t(nbytes),
+                ctypes.c_void_p(stream),
+            ),
+            "cuMemcpyHtoDAsync",
+        )
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Queue a copy between any two addresses on ``stream``
@@ -1065,6 +1101,97 @@ def leave(pushed: bool) -> None:
     """Undo what :func:`prepare` made current (when it pushed a context)."""
     if pushed:
         driver().pop()
+
+
+def htod_start(
+    dst: int, src: int, nbytes: int, streams: dict, after: tuple = ()
+) -> tuple[int, int]:
+    """Queue a copy of ``nbytes`` of page-locked host memory at ``src`` into
+    device memory at ``dst``; return ``(ctx, event)``, the event recorded
+    after the copy in ``dst``'s owner context ``ctx`` (wait for it with
+    :func:`event_wait`).
+
+    The copy runs on ``streams[ctx]``, a non-blocking stream of the caller's
+    (made here on first use; the caller destroys it), after the work queued
+    on each stream of ``after`` now (``cuStreamWaitEvent``: stream order
+    without the host waiting).  The owner context is made current for the
+    calls and left as it was.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        Without a usable CUDA driver.
+    DriverError
+        If the driver refuses a call (nothing is left queued or pushed).
+    """
+    drv = _need_driver("copy to device memory")
+    pushed, ctx = _enter(drv, dst, -1)
+    try:
+        s = streams.get(ctx)
+        if s is None:
+            s = streams[ctx] = drv.stream_create()
+        for h in after:
+            ev = _events.take(drv, ctx)
+            try:
+                drv.event_record(ev, h)
+                drv.stream_wait_event(s, ev)
+            finally:
+                _events.give(ctx, ev)
+        drv.memcpy_htod_async(dst, src, nbytes, s)
+        ev = _events.take(drv, ctx)
+        try:
+            drv.event_record(ev, s)
+        except BaseException:
+            drv.event_destroy(ev)
+            raise
+    finally:
+        if pushed:
+            drv.pop()
+    return ctx, ev
+
+
+def event_wait(ctx: int, event: int, progress: Callable[[], object]) -> None:
+    """Poll ``event`` (from :func:`htod_start`) until it fired, calling
+    ``progress()`` between polls (a worker keeps moving meanwhile), then
+    give it back to the pool of ``ctx``.
+
+    Not a worker wait: the copy engine finishes on its own, so there is no
+    deadline to keep.
+
+    Raises
+    ------
+    DriverError
+        If the driver reports an error for the copy (the event is destroyed).
+    """
+    drv = _need_driver("copy to device memory")
+    try:
+        while not drv.event_query(event):
+            progress()
+    except BaseException:
+        drv.event_destroy(event)
+        raise
+    _events.give(ctx, event)
+
+
+def destroy_streams(streams: dict) -> None:
+    """Destroy the streams :func:`htod_start` made (``ctx -> stream``), each
+    in its context; a context already gone took its streams with it."""
+    drv = driver()
+    for ctx, s in list(streams.items()):
+        if drv is None:
+            break
+        pushed = False
+        try:
+            if drv.current_context() != ctx:
+                drv.push(ctx)
+                pushed = True
+            drv.stream_destroy(s)
+        except DriverError:
+            pass  # the context is gone, and its streams with it
+        finally:
+            if pushed:
+                drv.pop()
+    streams.clear()
 
 
 class door:

@@ -118,6 +118,8 @@ class _AmWorker:
         "unhandled",
         "pools",
         "old_pools",
+        "array_waiters",
+        "staging",
     )
 
     def __init__(self, e):
@@ -148,6 +150,12 @@ class _AmWorker:
         # when they were replaced (freed once idle, or with the worker).
         self.pools: dict = {}
         self.old_pools: list = []
+        # recv_array_nb requests no array matched yet: queue key -> deque,
+        # in posting order (gpucx.ops.arrays).
+        self.array_waiters: dict = {}
+        # The pinned bounce buffers of receiver-side staging, made on first
+        # use (gpucx.ops._staging.Pool).
+        self.staging = None
 
 
 #: Idle message records a worker keeps for reuse.

@@ -29,20 +29,33 @@ import time
 from collections import deque
 
 from .. import _bounds
+from .._engine import INPROGRESS as _INPROGRESS
+from .._engine import new_slot as _new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..errors import UnsupportedError
+from ..errors import ClosedError, UCXError, UnsupportedError, error_for
+from ..errors import TimeoutError as _TimeoutError
 from ..mem import cuda as _cuda
-from ..mem.buffer import _read
+from ..mem.buffer import _read, acquire
 from ..mem.memtype import CUDA_INTS as _CUDA_INTS
 from ..mem.memtype import HOST_INT as _HOST
 from ..mem.memtype import MemoryType
+from ..request import Request
+from ..request import observe as _observe
+from . import _staging
 from . import am as _am
 
 _MANAGED = int(MemoryType.CUDA_MANAGED)
 _CUDA = int(MemoryType.CUDA)
 
-__all__ = ["send_array", "send_array_nb", "recv_array", "FORMAT_VERSION"]
+__all__ = [
+    "send_array",
+    "send_array_nb",
+    "recv_array",
+    "recv_array_nb",
+    "ArrayRequest",
+    "FORMAT_VERSION",
+]
 
 #: Version of the array header written by this gpucx.
 FORMAT_VERSION = 1
@@ -184,6 +197,11 @@ def parse_header(header: bytes, nbytes: int):
     return dt, shape, memtype
 
 
+#: parse_header of the headers seen last: a stream of arrays repeats a few
+#: headers (a pure function of the bytes; errors are not cached).
+_parsed = functools.lru_cache(maxsize=256)(parse_header)
+
+
 def _prepare(ep, arr):
     if ep.closed:
         raise_closed(ep)
@@ -265,6 +283,21 @@ def attach(e) -> None:
     am = e.am
     if am.enabled and _am._register(am, _am.ARRAY_AM_ID) == lib.UCS_OK:
         am.handlers[_am.ARRAY_AM_ID] = _on_array
+    e.on_close.append(functools.partial(_close, am))
+
+
+def _close(am) -> None:
+    """The worker closes: posted ``recv_array_nb`` requests no array matched
+    fail (ClosedError), and the staging pool lets its idle buffers go (one
+    still lent to a receive goes when the receive is over)."""
+    waiters = am.array_waiters
+    am.array_waiters = {}
+    for ws in waiters.values():
+        for w in ws:
+            w._settle_failed(ClosedError(f"{_NB}: the worker closed first"))
+    pool = am.staging
+    if pool is not None:
+        pool.close()
 
 
 def _on_array(msg) -> None:
@@ -305,6 +338,8 @@ def _on_array(msg) -> None:
     q.append(msg)
     s.count += 1
     s.bytes += charge
+    if am.array_waiters:
+        _serve(am, key)
 
 
 def _pop(q, key, pending, am) -> None:
@@ -362,11 +397,31 @@ def _cupy_empty(cupy, nbytes: int, memory_type: int, dtype, shape):
     return cupy.empty(nbytes, cupy.uint8)
 
 
+_NOT_YET: object = object()
+_cupy_module: object = _NOT_YET
+
+
+def _cupy():
+    """CuPy, or None where it does not import (asked once: a failing
+    import searches the whole path every time)."""
+    global _cupy_module
+    if _cupy_module is _NOT_YET:
+        try:
+            import cupy
+        except ImportError:
+            cupy = None
+        _cupy_module = cupy
+    return _cupy_module
+
+
 def _as_array(raw, typestr, shape, memory_type, nbytes):
     cai = getattr(raw, "__cuda_array_interface__", None)
     if cai is not None:
-        import cupy
-
+        cupy = _cupy()
+        if cupy is None:
+            # Device memory from the allocator and no CuPy to view it: the
+            # allocator's object itself holds the array's bytes.
+            return raw
         flat = cupy.asarray(raw).ravel().view(cupy.uint8)[:nbytes]
         return flat.view(typestr).reshape(shape)
     import numpy as np
@@ -482,23 +537,12 @@ def recv_array(
     Exception
         Whatever an AM handler dispatched while waiting raised.
     """
-    h = ep._h
-    if h is None:
-        raise_closed(ep)
-    e = ep._engine
-    am = e.am
-    if not am.enabled:
-        _am._no_am()
+    e, am, key = _receiver(ep)
     limit = _limit(e, max_bytes)
     q = am.arrays
-    key = int(ffi.cast("uintptr_t", h))
 
     def alive() -> None:
-        if ep.closed:
-            raise_closed(ep)  # gpucx found the peer dead: PeerError
-        error = ep.error
-        if error is not None:
-            raise error  # UCX reported the peer failed (PeerError)
+        _alive(ep)
 
     deadline = None if timeout is None else time.monotonic() + timeout
     pending = q.get(key)
@@ -507,6 +551,67 @@ def recv_array(
         pending = e.wait_for(
             lambda: q.get(key), timeout, "recv_array: no array arrived", alive
         )
+    req, out, staged = _begin(e, am, q, key, pending, limit, allocator, device, stream)
+    # The array is here: give its transfer at least a second.
+    rest = None if deadline is None else max(1.0, deadline - time.monotonic())
+    if staged is None:
+        req.wait(rest)
+        return out
+    try:
+        req.wait(rest)
+    except BaseException:
+        _staging.forfeit(am.staging, staged[0])
+        raise
+    _copy_staged(e, am, staged, _RECV)
+    return out
+
+
+_RECV = "recv_array"
+_NB = "recv_array_nb"
+
+
+def _receiver(ep):
+    """``(engine, AM state, queue key)`` of a receiving endpoint.
+
+    Raises
+    ------
+    gpucx.ClosedError
+        If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    """
+    h = ep._h
+    if h is None:
+        raise_closed(ep)
+    e = ep._engine
+    am = e.am
+    if not am.enabled:
+        _am._no_am()
+    return e, am, int(ffi.cast("uintptr_t", h))
+
+
+def _alive(ep) -> None:
+    """Raise what a receive from ``ep``'s peer fails with, once it cannot
+    come: the peer died (PeerError) or the endpoint was closed."""
+    if ep.closed:
+        raise_closed(ep)  # gpucx found the peer dead: PeerError
+    error = ep.error
+    if error is not None:
+        raise error  # UCX reported the peer failed (PeerError)
+
+
+def _begin(e, am, q, key, pending, limit, allocator, device, stream):
+    """Start receiving the first queued array message of a sender:
+    ``(request, array, staged)``, ``staged`` None or what
+    :func:`_copy_staged` needs once the request is done.
+
+    Raises
+    ------
+    ValueError, MemoryError
+        As for :func:`recv_array` (the message is dropped).
+    gpucx.UnsupportedError, BufferError
+        The receive could not start (the message stays queued).
+    """
     msg = pending[0]
     nbytes = msg.nbytes
     if limit and nbytes > limit:
@@ -516,7 +621,7 @@ def recv_array(
             f"max_bytes={limit} (GPUCX_MAX_ARRAY_BYTES); the array was dropped"
         )
     try:
-        dtype, shape, memtype = parse_header(msg.header, nbytes)
+        dtype, shape, memtype = _parsed(msg.header, nbytes)
         if memtype not in _RECEIVABLE:
             raise ValueError(
                 f"array header memory type {MemoryType(memtype).name} is not "
@@ -529,7 +634,11 @@ def recv_array(
     # CUDA device memory in a native byte order): no views to build after.
     shaped = allocator is None and dtype.isnative and memtype != _MANAGED
     try:
-        if shaped:
+        if shaped and memtype == _HOST:
+            import numpy as np
+
+            raw = np.empty(shape, dtype)  # _default_allocator's host case, inlined
+        elif shaped:
             raw = _default_allocator(nbytes, memtype, device, dtype, shape)
         else:
             raw = _allocate(allocator, nbytes, memtype, device)
@@ -540,11 +649,362 @@ def recv_array(
             f"recv_array: cannot allocate {nbytes} bytes for the peer's array "
             f"({exc or type(exc).__name__}); the array was dropped"
         ) from None
+    staged = None
+    if memtype == _HOST and not shaped and nbytes:
+        # Host data into memory the allocator chose: device memory takes
+        # the staging path (gpucx.ops._staging) when the pool has room.
+        staged = _stage(e, am, raw, nbytes, stream)
     # Posting first: a receive that cannot start leaves the message queued.
-    req = msg.receive_into(raw, stream=stream)
+    if staged is None:
+        req = msg.receive_into(raw, stream=stream)
+    else:
+        try:
+            req = msg.receive_into(staged[0].view)
+        except BaseException:
+            am.staging.give(staged[0])
+            raise
     _pop(q, key, pending, am)
     out = raw if shaped else _as_array(raw, dtype, shape, memtype, nbytes)
-    # The array is here: give its transfer at least a second.
-    rest = None if deadline is None else max(1.0, deadline - time.monotonic())
-    req.wait(rest)
-    return out
+    return req, out, staged
+
+
+def _stage(e, am, raw, nbytes: int, stream):
+    """``(bounce, device address, nbytes, streams to wait for, keepalive)``
+    when host data for ``raw`` takes the staging path: ``raw`` is CUDA
+    device memory of at least ``nbytes`` bytes and the worker's pool lends
+    a buffer; else None (UCX receives into ``raw`` itself)."""
+    if getattr(raw, "__cuda_array_interface__", None) is None:
+        return None  # host memory (or DLPack, left to UCX): no staging
+    pool = am.staging
+    if pool is None:
+        pool = am.staging = _staging.Pool(int(e.context._options["STAGING_BYTES"]))
+    if not pool.cap or _cuda.driver() is None:
+        return None
+    ptr, n, mt, keep = acquire(raw, True, None, True)
+    if mt != _CUDA or n < nbytes:
+        return None  # managed memory, or a short buffer (UCX says so)
+    after = []
+    if type(keep) is _cuda.Deferred:
+        after.append(keep.stream)  # the target's producer (CAI v3 stream)
+    handle = _cuda.as_stream(stream)  # a bad stream raises before a take
+    if handle is not None and handle not in after:
+        after.append(handle)
+    dst = int(ffi.cast("uintptr_t", ptr))
+    try:
+        b = pool.take(nbytes, dst)
+    except _cuda.DriverError:
+        b = None  # no page-locked memory to be had: the direct path
+    if b is None:
+        return None
+    return b, dst, nbytes, tuple(after), keep
+
+
+def _copy_staged(e, am, staged, what: str) -> None:
+    """Copy a staged payload from its bounce buffer into device memory; the
+    buffer goes back to the pool.
+
+    Raises
+    ------
+    gpucx.UCXError
+        ``UCS_ERR_IO_ERROR`` naming the driver's error (the array is lost).
+    """
+    b, dst, nbytes, after, _keep = staged
+    try:
+        _staging.copy_in(am.staging, b, dst, nbytes, after, e.progress)
+    except _cuda.DriverError as exc:
+        raise error_for(
+            lib.UCS_ERR_IO_ERROR,
+            f"{what}: copying the staged array ({nbytes} bytes) into device "
+            f"memory failed ({exc})",
+        ) from None
+
+
+def _serve(am, key: int) -> None:
+    """Start the ``recv_array_nb`` requests posted for sender ``key`` on its
+    queued arrays, in posting order (from the array handler and when a
+    request is posted)."""
+    waiters = am.array_waiters.get(key)
+    q = am.arrays
+    while waiters:
+        pending = q.get(key)
+        if not pending:
+            break
+        if not waiters.popleft()._match(am, q, key, pending):
+            break  # the array stays queued: the next request waits
+    if waiters is not None and not waiters:
+        del am.array_waiters[key]
+
+
+def recv_array_nb(
+    ep,
+    allocator=None,
+    *,
+    device: int | None = None,
+    stream=None,
+    max_bytes: int | None = None,
+) -> ArrayRequest:
+    """Post a receive for the next array the peer of ``ep`` sends with
+    ``send_array``; returns an :class:`ArrayRequest` whose result is the
+    array.
+
+    Requests posted on one endpoint take its arrays in posting order (a
+    blocking :func:`recv_array` takes what no posted request took).  An
+    array is received as soon as it arrives, whoever progresses the worker:
+    with several requests posted, the transfers of the next arrays run
+    while the program works on the current one (read-ahead).  The
+    arguments are those of :func:`recv_array`; the allocator is called when
+    the array arrives, inside the progress that received it.
+
+    Returns
+    -------
+    ArrayRequest
+        ``wait(timeout)`` returns the array.  It fails with the errors
+        :func:`recv_array` raises for its array (``ValueError``,
+        ``MemoryError``, ``gpucx.UnsupportedError``...), with
+        :class:`~gpucx.PeerError` when the peer died before its array came,
+        and with :class:`~gpucx.ClosedError` when the worker closed first.
+        ``cancel()`` or a ``wait`` timeout before the array arrived
+        withdraws the request (it fails with :class:`~gpucx.CanceledError`;
+        the array goes to the next request); once the array is arriving,
+        they cancel its transfer as for any receive (UCX may still finish a
+        rendezvous fetch under way; a canceled array is lost).
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a bad ``max_bytes`` or ``stream``.
+    gpucx.ClosedError
+        If the endpoint is closed.
+    gpucx.UnsupportedError
+        If the context was created without the ``"am"`` feature.
+    """
+    e, am, key = _receiver(ep)
+    if stream is not None:
+        _cuda.as_stream(stream)  # a bad stream fails here, not on arrival
+    req = ArrayRequest(e, ep, key, (_limit(e, max_bytes), allocator, device, stream))
+    waiters = am.array_waiters.get(key)
+    if waiters is None:
+        waiters = am.array_waiters[key] = deque()
+    waiters.append(req)
+    if am.arrays.get(key):
+        _serve(am, key)
+    return req
+
+
+def _const_slot(status: int):
+    slot = _new_slot()
+    slot.status = status
+    return slot
+
+
+# The slots of an ArrayRequest before its array's receive has one of its
+# own: waiting for an array, an eager array copied when posted, failed.
+# Shared and never written: nothing cancels or releases them (UCX holds
+# none; ArrayRequest.cancel and _complete do not).
+_WAITING = _const_slot(_INPROGRESS)
+_MATCHED = _const_slot(lib.UCS_OK)
+_SETTLED = _const_slot(lib.UCS_ERR_CANCELED)
+
+
+class ArrayRequest(Request):
+    """The :class:`~gpucx.Request` of :func:`recv_array_nb`: waits for the
+    sender's next array, then for its transfer (and, on the staging path,
+    the copy into device memory); its result is the array."""
+
+    __slots__ = ("_key", "_args", "_inner", "_out", "_staged", "_am")
+
+    def __init__(self, e, ep, key: int, args):
+        # The fields of Request, for a slot gpucx completes until an array
+        # matches; then the slot is the receive's (UCX completes it).
+        self._slot = _WAITING
+        self._engine = e
+        self._ep = ep
+        self._keep = self._value = None
+        self._state = 0
+        self._key = key
+        self._args = args
+        self._inner = None
+        self._out = None
+        self._staged = None
+        self._am = e.am
+
+    # Request's fields that never change here, as class constants (as
+    # request._Done's): fewer stores per request.
+    _holds = None
+    _what = _NB
+    _finish = None
+    _nbytes = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<gpucx.ArrayRequest {state}>"
+
+    @property
+    def protocol(self):
+        """The protocol UCX selected for the array's transfer while it runs
+        (see :attr:`gpucx.Request.protocol`); None before the array came."""
+        if self._inner is None:
+            return None
+        return super().protocol
+
+    def _match(self, am, q, key, pending) -> bool:
+        """Start receiving the first queued array; False when it stays
+        queued (this request failed on it, the next would too)."""
+        e = self._engine
+        try:
+            req, out, staged = _begin(e, am, q, key, pending, *self._args)
+        except (ValueError, MemoryError) as exc:
+            self._settle_failed(exc)  # the array was dropped
+            return True
+        except Exception as exc:
+            self._settle_failed(exc)
+            return False
+        self._out = out
+        self._staged = staged
+        self._inner = req
+        self._keep = req
+        if _observe(req):  # an eager array, copied when posted
+            self._slot = _MATCHED
+        else:
+            # From now on this request reads the receive's slot (what the
+            # engine and the asyncio driver look at); the receive's own
+            # request stays tracked and completes it, once (_complete).
+            self._slot = req._slot
+        return True
+
+    def _settle_failed(self, exc) -> None:
+        """Fail with ``exc`` before an array matched."""
+        self._state = 2
+        self._value = exc
+        self._slot = _SETTLED
+
+    def _withdraw(self) -> None:
+        waiters = self._am.array_waiters.get(self._key)
+        if waiters is not None:
+            try:
+                waiters.remove(self)
+            except ValueError:
+                pass  # matched or failed meanwhile
+            if not waiters:
+                del self._am.array_waiters[self._key]
+
+    def _complete(self) -> None:
+        if self._state:
+            return
+        inner, self._inner = self._inner, None
+        staged, self._staged = self._staged, None
+        out, self._out = self._out, None
+        self._keep = None
+        if inner is None:  # failed before an array matched
+            return
+        _observe(inner)  # completes the receive (its slot released once)
+        exc = inner.exception()
+        if exc is not None:
+            if staged is not None:
+                _staging.forfeit(self._am.staging, staged[0])
+            self._state = 2
+            self._value = exc
+            return
+        if staged is not None:
+            try:
+                _copy_staged(self._engine, self._am, staged, _NB)
+            except UCXError as exc:
+                self._state = 2
+                self._value = exc
+                return
+        self._state = 1
+        self._value = out
+
+    def __del__(self) -> None:
+        # Dropped unwaited with an array staged: its bounce buffer goes back
+        # to the pool once the receive into it is over (else it is given
+        # up: UCX may still write it).
+        staged = self._staged
+        if staged is not None and _staging is not None:
+            pool = self._am.staging
+            if _observe(self._inner):
+                pool.give(staged[0])
+            else:
+                _staging.forfeit(pool, staged[0])
+
+    def _unmatched_failure(self):
+        """The error of a request whose peer died or endpoint closed, or
+        None while it may still match."""
+        try:
+            _alive(self._ep)
+        except UCXError as exc:
+            return exc
+        return None
+
+    def done(self) -> bool:
+        """Progress once if needed; True once the request finished."""
+        if self._state:
+            return True
+        if self._inner is None:
+            e = self._engine
+            if e.h is None:
+                return False
+            e.progress()  # runs the array handler: may match
+            if self._state:
+                return True
+            if self._inner is None:
+                exc = self._unmatched_failure()
+                if exc is None:
+                    return False
+                self._withdraw()
+                self._settle_failed(exc)
+                return True
+        return super().done()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the array is here; return it.
+
+        Raises
+        ------
+        gpucx.TimeoutError
+            When ``timeout`` seconds pass first (the request is withdrawn,
+            or the transfer canceled, see :func:`recv_array_nb`).
+        Exception
+            The request's own error (see :func:`recv_array_nb`).
+        """
+        if not self._state and self._inner is None:
+            e = self._engine
+            if e.h is None:
+                e.raise_closed()
+            deadline = None if timeout is None else time.monotonic() + timeout
+
+            def check() -> None:
+                exc = self._unmatched_failure()
+                if exc is not None:
+                    self._withdraw()
+                    self._settle_failed(exc)
+
+            try:
+                e.wait_for(
+                    lambda: self._state or self._inner is not None,
+                    timeout,
+                    f"{_NB}: no array arrived",
+                    check,
+                )
+            except _TimeoutError:
+                if self._inner is None and not self._state:
+                    self._withdraw()
+                    self._settle_failed(error_for(lib.UCS_ERR_CANCELED, _NB))
+                raise
+            if self._state:
+                raise self._value
+            # The array is here: give its transfer at least a second.
+            if deadline is not None:
+                timeout = max(1.0, deadline - time.monotonic())
+        return super().wait(timeout)
+
+    def cancel(self) -> bool:
+        """Withdraw the request, or cancel its array's transfer; True if
+        it was still pending."""
+        if self._state:
+            return False
+        if self._inner is None:
+            self._withdraw()
+            self._settle_failed(error_for(lib.UCS_ERR_CANCELED, _NB))
+            return True
+        return super().cancel()

@@ -92,6 +92,13 @@ static int stream_waits;     /* cuStreamWaitEvent calls */
 static uintptr_t wait_stream, wait_event;
 static int seq, seq_wait, seq_copy, seq_record;
 static int nallocs;          /* allocations made (names) */
+static int host_allocs;      /* cuMemHostAlloc calls that succeeded */
+static unsigned host_alloc_flags;
+static int htod_copies;      /* cuMemcpyHtoDAsync calls that copied */
+static size_t htod_bytes;
+static uintptr_t htod_last_stream;
+static int htod_fail;        /* CUresult the next copies return (0: none) */
+static int seq_htod;
 
 /* -- test controls ------------------------------------------------------ */
 static void unlink_live(void);
@@ -127,6 +134,13 @@ void fake_reset(void)
     stream_waits = 0;
     wait_stream = wait_event = 0;
     seq = seq_wait = seq_copy = seq_record = 0;
+    host_allocs = 0;
+    host_alloc_flags = 0;
+    htod_copies = 0;
+    htod_bytes = 0;
+    htod_last_stream = 0;
+    htod_fail = 0;
+    seq_htod = 0;
 }
 /* Shared-memory names of allocations still live: unlinked by a reset and
  * when the library is unloaded or the process exits (mappings stay). */
@@ -164,6 +178,13 @@ uintptr_t fake_wait_event(void) { return wait_event; }
 int fake_seq_wait(void) { return seq_wait; }
 int fake_seq_copy(void) { return seq_copy; }
 int fake_seq_record(void) { return seq_record; }
+int fake_host_allocs(void) { return host_allocs; }
+unsigned fake_host_alloc_flags(void) { return host_alloc_flags; }
+int fake_htod_copies(void) { return htod_copies; }
+size_t fake_htod_bytes(void) { return htod_bytes; }
+uintptr_t fake_htod_last_stream(void) { return htod_last_stream; }
+void fake_htod_fail(int rc) { htod_fail = rc; }
+int fake_seq_htod(void) { return seq_htod; }
 int fake_events_pending(void)
 {
     int k, n = 0;
@@ -547,6 +568,40 @@ CUresult cuMemFreeHost(void *p)
     if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
     free(p);
     allocs_live--;
+    return CUDA_SUCCESS;
+}
+
+/* Page-locked host memory (malloc'd here), counted with the allocations. */
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned flags)
+{
+    if (depth == 0 || stack[depth - 1] == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    if (flags > 0xf) return CUDA_ERROR_INVALID_VALUE;
+    if (alloc_limit && n > alloc_limit) return CUDA_ERROR_OUT_OF_MEMORY;
+    *p = malloc(n ? n : 1);
+    if (*p == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    allocs_live++;
+    host_allocs++;
+    host_alloc_flags = flags;
+    return CUDA_SUCCESS;
+}
+
+/* Host to "device": the destination must be device memory of the table. */
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s)
+{
+    int k, found = 0;
+    if (depth == 0) return CUDA_ERROR_INVALID_CONTEXT;
+    if (htod_fail) return htod_fail;
+    for (k = 0; k < nptrs; k++) {
+        if (ptrs[k].ptr <= (uintptr_t)dst &&
+            (uintptr_t)dst < ptrs[k].ptr + (ptrs[k].size ? ptrs[k].size : 1))
+            found = 1;
+    }
+    if (!found) return CUDA_ERROR_INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, src, n);
+    htod_copies++;
+    htod_bytes += n;
+    htod_last_stream = (uintptr_t)s;
+    seq_htod = ++seq;
     return CUDA_SUCCESS;
 }
 
