@@ -44,6 +44,7 @@ from .. import protocols as _protocols
 from .._engine import new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
+from ..config import on_timeout_mode
 from ..errors import (
     AlreadyReceivedError,
     MessageTruncatedError,
@@ -869,6 +870,7 @@ def am_send(
     proto=None,
     stream=None,
     timeout=None,
+    on_timeout=None,
 ):
     """Send ``buf`` as an active message to handler ``am_id`` of the peer;
     return once ``buf`` is reusable.
@@ -890,16 +892,23 @@ def am_send(
         posted only once the work queued on it before the call finished.
     timeout : float, optional
         Seconds to wait at most (None: no limit).
+    on_timeout : "park", "release" or None
+        What a passed ``timeout`` does with a send UCX cannot withdraw (None:
+        :attr:`Endpoint.on_timeout`; docs/reliability.md, "Deadlines and
+        the buffer").
 
     Raises
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
-        withdraw a send already handed to the transport: it may still reach
-        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
-        lets go of it, or the endpoint is closed.
+        withdraw a send already handed to the transport: parked, it may
+        still reach the peer, and gpucx keeps ``buf`` alive (do not modify
+        it) until UCX lets go of it, or the endpoint is closed; released,
+        the endpoint is force-closed first.  The error's ``released`` says
+        which.
     ValueError
-        For a bad id, an unknown ``proto`` or an oversized header.
+        For a bad id, an unknown ``proto``, an oversized header or an
+        ``on_timeout`` other than ``"park"``, ``"release"``, None.
     gpucx.UnsupportedError
         For CUDA memory on a context that cannot move it, or a ``stream``
         without a CUDA driver.
@@ -932,7 +941,9 @@ def am_send(
         if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
     if st:
-        finish(e, slot, st, timeout, _SEND, ep, keep)
+        if on_timeout is not None:
+            on_timeout_mode(on_timeout)
+        finish(e, slot, st, timeout, _SEND, ep, keep, None, on_timeout)
 
 
 #: gpucx.protocols' first-use bits of AM sends: one per device memory type

@@ -24,6 +24,7 @@ from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
+from ..config import on_timeout_mode
 from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
@@ -146,7 +147,15 @@ def _key(rkey) -> RemoteKey:
 
 
 def put(
-    ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None, stream=None
+    ep,
+    buf,
+    rkey,
+    offset: int = 0,
+    *,
+    notify=None,
+    timeout=None,
+    stream=None,
+    on_timeout=None,
 ) -> None:
     """Write ``buf`` into the remote region at byte ``offset``; return once
     ``buf`` may be reused (local completion, see the module doc).
@@ -168,6 +177,11 @@ def put(
         A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the put is
         posted only once the work queued on it before the call finished.
         The same holds for ``stream=`` of :func:`get` and the ``_nb`` forms.
+    on_timeout : "park", "release" or None
+        What a passed ``timeout`` does with a put UCX cannot withdraw (None:
+        :attr:`Endpoint.on_timeout`): park it with ``buf``, or force-close
+        the endpoint so that ``buf`` is yours again (docs/reliability.md,
+        "Deadlines and the buffer").  The same holds for :func:`get`.
 
     Raises
     ------
@@ -185,14 +199,29 @@ def put(
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.TimeoutError
-        When ``timeout`` passes first.
+        When ``timeout`` passes first (its ``released`` says whether ``buf``
+        is yours again).
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
+    if on_timeout is not None:
+        on_timeout_mode(on_timeout)
     if notify is not None:
-        put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
+        req = put_nb(ep, buf, rkey, offset, notify=notify, stream=stream)
+        req.wait(timeout, on_timeout=on_timeout)
         return
-    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT, False)
+    _post_wait(
+        ep,
+        lib.gpucx_put_wait,
+        buf,
+        rkey,
+        offset,
+        stream,
+        timeout,
+        _PUT,
+        False,
+        on_timeout,
+    )
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -230,7 +259,9 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     return Request(e, slot, (keep, op, note), "put with notify", None, ep, None, rkey)
 
 
-def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
+def get(
+    ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None, on_timeout=None
+) -> None:
     """Read ``len(buf)`` bytes of the remote region at ``offset`` into
     ``buf``; return when they are there.
 
@@ -246,11 +277,25 @@ def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.TimeoutError
-        When ``timeout`` passes first.
+        When ``timeout`` passes first (its ``released`` says whether ``buf``
+        is yours again; ``on_timeout`` as for :func:`put`).
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
-    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET, True)
+    if on_timeout is not None:
+        on_timeout_mode(on_timeout)
+    _post_wait(
+        ep,
+        lib.gpucx_get_wait,
+        buf,
+        rkey,
+        offset,
+        stream,
+        timeout,
+        _GET,
+        True,
+        on_timeout,
+    )
 
 
 def _checked(ep, buf, rkey, offset, stream, what: str):
@@ -268,7 +313,16 @@ def _checked(ep, buf, rkey, offset, stream, what: str):
 
 
 def _post_wait(
-    ep, post, buf, rkey, offset, stream, timeout, what: str, is_get: bool
+    ep,
+    post,
+    buf,
+    rkey,
+    offset,
+    stream,
+    timeout,
+    what: str,
+    is_get: bool,
+    on_timeout=None,
 ) -> None:
     """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
     ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
@@ -285,6 +339,7 @@ def _post_wait(
         m = _own.route(ep, rkey, mt, ptr, is_get)
         if m is not None:
             req = _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
+            # A CUDA IPC copy: no endpoint close stops it (CopyRequest.wait).
             req.wait(timeout)
             return
     if mt == _HOST and stream is None:
@@ -301,7 +356,7 @@ def _post_wait(
             ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
         )
     if st:
-        finish(e, slot, st, timeout, what, ep, keep, rkey)
+        finish(e, slot, st, timeout, what, ep, keep, rkey, on_timeout)
 
 
 def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:

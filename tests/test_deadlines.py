@@ -1,0 +1,302 @@
+"""Deadlines that give the buffer back (issue 35; docs/reliability.md,
+"Deadlines and the buffer").
+
+Two processes (tests/peers_deadline.py): a victim stops itself (SIGSTOP)
+in the middle of a transfer with the releaser, whose operation then misses
+its deadline.  With ``on_timeout="release"`` the releaser's error says
+``released`` and its buffer is overwritten with a canary before the victim
+resumes: the canary must survive in the releaser's receive buffer (no late
+write) and must not reach the victim (no late read of a send buffer).
+With ``"park"`` (today's behaviour, the default) the same run shows the
+late access, which is what makes these tests able to fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hosts as hostlib
+import numpy as np
+import pytest
+
+import gpucx
+from gpucx import config as gconfig
+
+pytestmark = pytest.mark.timeout(60)
+
+PEERS = str(Path(__file__).with_name("peers_deadline.py"))
+#: Transports where closing an endpoint stops the peer from reaching this
+#: process's memory: TCP, and shared memory without CMA (copy-in/out).
+TLS = {"tcp": "tcp,self", "shm": "posix,sysv,self"}
+#: The releaser's deadline.
+DEADLINE = 0.5
+
+
+def _local(args: list[str], tls: str | None) -> hostlib.Peer:
+    env = dict(os.environ)
+    if tls is not None:
+        env["UCX_TLS"] = tls
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(hostlib.TESTS), str(hostlib.ROOT), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-u", PEERS, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env=env,
+        start_new_session=True,
+    )
+    return hostlib.Peer(proc, " ".join(args))
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _run(op: str, mode: str, start_victim, start_releaser) -> tuple:
+    """One victim/releaser run: (releaser's error report, victim's report,
+    releaser's canary report)."""
+    victim = start_victim(["victim", op])
+    releaser = start_releaser(["releaser", op, mode, str(DEADLINE)])
+    try:
+        va, ra = victim.get(), releaser.get()
+        victim.put(ra)
+        releaser.put(va)
+        if op in ("put", "get"):
+            releaser.put(victim.get())  # the victim's region
+        assert victim.get() == "ready"
+        end = time.monotonic() + 10
+        while not _stopped(victim.proc.pid):
+            assert time.monotonic() < end, "the victim did not stop"
+            time.sleep(0.002)
+        releaser.put("go")
+        error = releaser.get()
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        releaser.put("resumed")
+        seen = victim.get()
+        intact = releaser.get()
+        victim.put("bye")
+        releaser.put("bye")
+        victim.join(15)
+        releaser.join(15)
+        return error, seen, intact
+    finally:
+        for p in (victim, releaser):
+            if p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait(5)
+
+
+def _check_released(op: str, error, seen, intact) -> None:
+    assert error["error"] == "TimeoutError", error
+    assert error["released"] is True, error
+    assert "released: gpucx force-closed endpoint" in error["message"], error
+    assert error["closed"], error
+    # No late read of the releaser's send buffer reached the victim, no
+    # late write reached the releaser's receive buffer.
+    assert seen["canaries"] == 0, (op, seen)
+    assert intact["intact"], (op, intact)
+
+
+@pytest.mark.parametrize("tls", sorted(TLS))
+@pytest.mark.parametrize("op", ["send", "recv", "put", "get", "am"])
+def test_release_keeps_the_canary(op, tls):
+    """A rendezvous send, a matched receive, a put, a get and an AM
+    receive_into whose peer stopped: released at the deadline, the canary
+    written afterwards survives the peer's resumption."""
+    start = lambda args: _local(args, TLS[tls])  # noqa: E731
+    error, seen, intact = _run(op, "release", start, start)
+    _check_released(op, error, seen, intact)
+    if op in ("recv", "am"):
+        # The peer learns at once rather than at its own deadline: the
+        # abort notice fails its send with PeerError, unless the send had
+        # already left (UCX completes a send locally: the data went out,
+        # nobody took it).
+        assert seen["outcome"] in ("PeerError", "done"), seen
+        assert seen["s"] < 0.5, seen
+
+
+@pytest.mark.parametrize(
+    "op,tls", [("send", "tcp"), ("get", "shm"), ("put", "shm"), ("recv", "tcp")]
+)
+def test_park_leaves_the_buffer_in_use(op, tls):
+    """Today's behaviour, the default: the error says "still parked", and
+    UCX does use the buffer after the deadline (the canary travels, or is
+    overwritten): what release prevents."""
+    start = lambda args: _local(args, TLS[tls])  # noqa: E731
+    error, seen, intact = _run(op, "park", start, start)
+    assert error["error"] == "TimeoutError", error
+    assert error["released"] is False, error
+    assert "still parked" in error["message"], error
+    assert not error["closed"], error
+    assert seen["canaries"] > 0 or not intact["intact"], (seen, intact)
+
+
+def test_aio_cancel_releases():
+    """An awaited send canceled by asyncio.wait_for on an endpoint in
+    "release" mode: the endpoint is force-closed before the cancellation
+    propagates, and the canary survives."""
+    start = lambda args: _local(args, TLS["shm"])  # noqa: E731
+    error, seen, intact = _run("aio", "release", start, start)
+    assert error["error"] == "TimeoutError" and error["closed"], error
+    assert seen["canaries"] == 0 and intact["intact"], (seen, intact)
+
+
+def test_aio_cancel_parks_by_default():
+    start = lambda args: _local(args, TLS["tcp"])  # noqa: E731
+    error, seen, intact = _run("aio", "park", start, start)
+    assert not error["closed"], error
+    assert seen["canaries"] > 0, seen
+
+
+@pytest.mark.timeout(90)
+def test_release_across_hosts(hosts):
+    """The releaser and the stopped peer on two emulated hosts (TCP over a
+    veth link): a rendezvous send and a get release, canary intact."""
+    a, b = hosts
+    for op in ("send", "get"):
+        error, seen, intact = _run(
+            op,
+            "release",
+            lambda args: b.python(PEERS, *args, label=" ".join(args)),
+            lambda args: a.python(PEERS, *args, label=" ".join(args)),
+        )
+        _check_released(op, error, seen, intact)
+
+
+# -- in one process: the choice, its errors and its bookkeeping ---------------
+
+
+def test_on_timeout_choices_and_errors():
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        assert ctx.on_timeout == "park"
+        w = ctx.create_worker()
+        ep = w.connect(w.address)
+        assert ep.on_timeout == "park"
+        ep.on_timeout = "release"
+        assert ep.on_timeout == "release"
+        ep.on_timeout = None  # the context's again
+        assert ep.on_timeout == "park"
+        with pytest.raises(ValueError, match="on_timeout must be one of"):
+            ep.on_timeout = "drop"
+        buf = np.zeros(4, np.uint8)
+        with pytest.raises(ValueError, match="on_timeout must be one of"):
+            w.recv(buf, tag=1, timeout=0.01, on_timeout="later")
+        req = w.recv_nb(buf, tag=1)
+        with pytest.raises(ValueError, match="on_timeout must be one of"):
+            req.wait(0.01, on_timeout="x")
+        with pytest.raises(ValueError, match="on_timeout must be one of"):
+            req.give_up("x")
+        assert req.give_up() is True  # an unmatched receive: withdrawn
+        assert req.cancelled()
+        ep.close()
+    with gpucx.Context(config={"GPUCX_ON_TIMEOUT": "release"}) as ctx:
+        assert ctx.on_timeout == "release"
+    with pytest.raises(ValueError, match="GPUCX_ON_TIMEOUT"):
+        gpucx.Context(config={"GPUCX_ON_TIMEOUT": "sometimes"})
+
+
+def test_on_timeout_from_environment(monkeypatch):
+    monkeypatch.setenv("GPUCX_ON_TIMEOUT", "release")
+    assert gconfig.gpucx_options(None)["ON_TIMEOUT"] == 1.0
+    monkeypatch.setenv("GPUCX_ON_TIMEOUT", "1")
+    assert gconfig.gpucx_options(None)["ON_TIMEOUT"] == 1.0
+    monkeypatch.setenv("GPUCX_ON_TIMEOUT", "2")
+    with pytest.raises(ValueError, match="environment variable GPUCX_ON_TIMEOUT"):
+        gconfig.gpucx_options(None)
+
+
+def test_withdrawn_receive_says_released():
+    """A receive nothing matched is withdrawn by UCX: released, whatever the
+    mode, and the endpoint stays open."""
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        w = ctx.create_worker()
+        buf = np.zeros(8, np.uint8)
+        with pytest.raises(gpucx.TimeoutError) as info:
+            w.recv(buf, tag=3, timeout=0.05)
+        assert info.value.released is True
+        assert "released: UCX withdrew the operation" in str(info.value)
+
+
+def test_matched_receive_without_its_endpoint_stays_parked():
+    """A worker-wide receive UCX matched, released without ``ep=``: gpucx
+    cannot tell which endpoint to close, so it parks and says why."""
+    start = lambda args: _local(args, TLS["tcp"])  # noqa: E731
+    error, _seen, _intact = _run("recv_noep", "release", start, start)
+    assert error["error"] == "TimeoutError", error
+    assert error["released"] is False, error
+    assert "cannot tell its endpoint" in error["message"], error
+    assert not error["closed"], error
+
+
+def test_direct_access_transports_are_named():
+    """An endpoint reports the transports through which its peer reaches
+    this process's memory by itself (none over TCP)."""
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(w.address)
+        assert ep.direct_access() == []
+        ep.close()
+        with pytest.raises(gpucx.ClosedError):
+            ep.direct_access()
+
+
+def test_abort_is_idempotent_and_closes():
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        w = ctx.create_worker()
+        ep = w.connect(w.address)
+        ep.flush(timeout=5)
+        ep.abort("test")
+        assert ep.closed
+        ep.abort("again")  # nothing
+        with pytest.raises(gpucx.ClosedError):
+            ep.send(b"x", tag=1)
+
+
+def test_interrupt_says_what_became_of_the_buffer():
+    """A KeyboardInterrupt in a wait gets a note saying released or parked."""
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        w = ctx.create_worker()
+        buf = np.zeros(8, np.uint8)
+        req = w.recv_nb(buf, tag=9)
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(KeyboardInterrupt) as info:
+                req.wait(5)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert any("gpucx: released" in n for n in info.value.__notes__)
+
+
+def test_asyncio_wait_for_on_withdrawable_receive():
+    """aio in "release" mode on an operation UCX withdraws: nothing closes."""
+
+    async def main():
+        with gpucx.Context(
+            config={"TLS": "tcp,self", "GPUCX_ON_TIMEOUT": "release"}
+        ) as ctx:
+            async with gpucx.aio.Worker(ctx) as w:
+                buf = np.zeros(8, np.uint8)
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(w.arecv(buf, tag=4), 0.05)
+
+    import gpucx.aio  # noqa: F401
+
+    asyncio.run(main())
