@@ -119,10 +119,17 @@ def victim(op: str) -> None:
             while time.monotonic() < end:
                 w.progress()
                 time.sleep(0.001)
+        took = time.monotonic() - t0
+        try:  # what a later operation on the endpoint says
+            ep.send(b"x", tag=TAG + 1, timeout=0.5)
+            after = "done"
+        except gpucx.UCXError as exc:
+            after = type(exc).__name__
         put(
             {
                 "outcome": outcome,
-                "s": time.monotonic() - t0,
+                "s": took,
+                "after": after,
                 "canaries": canaries(mem) if mem is not None else 0,
             }
         )

@@ -125,6 +125,11 @@ def test_release_keeps_the_canary(op, tls):
         # nobody took it).
         assert seen["outcome"] in ("PeerError", "done"), seen
         assert seen["s"] < 0.5, seen
+    if op == "am":
+        # The notice reached the peer: its send failed, and its endpoint
+        # back raises PeerError at once.
+        assert seen["outcome"] == "PeerError", seen
+        assert seen["after"] == "PeerError", seen
 
 
 @pytest.mark.parametrize(
@@ -300,3 +305,79 @@ def test_asyncio_wait_for_on_withdrawable_receive():
     import gpucx.aio  # noqa: F401
 
     asyncio.run(main())
+
+
+def _wired(tls: str = "posix,sysv,self"):
+    """A context, two workers of it and endpoints both ways, wired up."""
+    ctx = gpucx.Context(config={"TLS": tls})
+    a, b = ctx.create_worker(), ctx.create_worker()
+    ab, ba = a.connect(b.address), b.connect(a.address)
+    one = np.zeros(1, np.uint8)
+    reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
+    reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
+    end = time.monotonic() + 10
+    while not all(r.done() for r in reqs):
+        assert time.monotonic() < end, "no wireup"
+        a.progress()
+        b.progress()
+    return ctx, a, b, ab, ba
+
+
+def test_release_in_one_process_cancels_the_rest():
+    """Two workers of one process, b not progressing: a's rendezvous send
+    misses its deadline and is released; another send pending on the same
+    endpoint ends with CanceledError (the cost), later sends raise
+    ClosedError, and the canary never reaches b."""
+    ctx, a, b, ab, ba = _wired()
+    with ctx:
+        big = np.ones(8 << 20, np.uint8)
+        got = np.zeros(8 << 20, np.uint8)
+        rreq = b.recv_nb(got, tag=5)
+        other = ab.send_nb(np.ones(1 << 20, np.uint8), tag=6)
+        with pytest.raises(gpucx.TimeoutError) as info:
+            ab.send(big, tag=5, timeout=0.2, on_timeout="release")
+        assert info.value.released is True
+        assert ab.closed
+        assert other.done()
+        with pytest.raises(gpucx.CanceledError):
+            other.result()
+        with pytest.raises(gpucx.ClosedError):
+            ab.send(b"z", tag=7)
+        big[:] = 0xEE
+        with pytest.raises(gpucx.TimeoutError):
+            rreq.wait(0.3)
+        assert not (got == 0xEE).any()
+
+
+def test_release_refused_over_direct_access():
+    """An endpoint whose peer reaches this memory by itself (CMA here, as
+    ``direct_access`` would report it): "release" leaves it open, parks the
+    send and names the transport."""
+    ctx, a, b, ab, ba = _wired()
+    with ctx:
+        ab.direct_access = lambda: ["cma"]  # what a CMA endpoint reports
+        rreq = b.recv_nb(np.zeros(8 << 20, np.uint8), tag=5)
+        with pytest.raises(gpucx.TimeoutError) as info:
+            ab.send(
+                np.ones(8 << 20, np.uint8), tag=5, timeout=0.2, on_timeout="release"
+            )
+        assert info.value.released is False
+        assert "uses cma" in str(info.value)
+        assert not ab.closed
+        del rreq
+
+
+def test_give_up_releases_a_request():
+    """Request.give_up("release") on a pending send: True, endpoint closed,
+    the request settled as canceled."""
+    ctx, a, b, ab, ba = _wired()
+    with ctx:
+        b.recv_nb(np.zeros(8 << 20, np.uint8), tag=5)
+        req = ab.send_nb(np.ones(8 << 20, np.uint8), tag=5)
+        a.progress()
+        assert req.on_timeout == "park"
+        assert req.give_up("release") is True
+        assert ab.closed and req.done()
+        with pytest.raises(gpucx.CanceledError):
+            req.result()
+        assert req.give_up() is True  # over already
