@@ -201,16 +201,20 @@ def releaser(op: str, on_timeout: str, timeout: float) -> None:
         get_progressing(w)  # "go": the victim is stopped
         err = None
         try:
+            # Blocking calls follow the endpoint's choice; a request's
+            # wait takes one per call.
+            ep.on_timeout = on_timeout
             if op == "send":
-                ep.send(mem, tag=TAG, timeout=timeout, on_timeout=on_timeout)
+                ep.send(mem, tag=TAG, timeout=timeout)
             elif op == "recv":
-                w.recv(mem, tag=TAG, timeout=timeout, on_timeout=on_timeout, ep=ep)
-            elif op == "recv_noep":
-                w.recv(mem, tag=TAG, timeout=timeout, on_timeout=on_timeout)
+                req = w.recv_nb(mem, tag=TAG)
+                req.wait(timeout, on_timeout=on_timeout, ep=ep)
+            elif op == "recv_noep":  # no endpoint named
+                w.recv_nb(mem, tag=TAG).wait(timeout, on_timeout=on_timeout)
             elif op == "put":
-                ep.put(mem, rkey, timeout=timeout, on_timeout=on_timeout)
+                ep.put(mem, rkey, timeout=timeout)
             elif op == "get":
-                ep.get(mem, rkey, timeout=timeout, on_timeout=on_timeout)
+                ep.get(mem, rkey, timeout=timeout)
             else:
                 end = time.monotonic() + 10
                 while not msgs and time.monotonic() < end:

@@ -44,7 +44,6 @@ from .. import protocols as _protocols
 from .._engine import new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..config import on_timeout_mode
 from ..errors import (
     AlreadyReceivedError,
     MessageTruncatedError,
@@ -870,7 +869,6 @@ def am_send(
     proto=None,
     stream=None,
     timeout=None,
-    on_timeout=None,
 ):
     """Send ``buf`` as an active message to handler ``am_id`` of the peer;
     return once ``buf`` is reusable.
@@ -892,23 +890,18 @@ def am_send(
         posted only once the work queued on it before the call finished.
     timeout : float, optional
         Seconds to wait at most (None: no limit).
-    on_timeout : "park", "release" or None
-        What a passed ``timeout`` does with a send UCX cannot withdraw (None:
-        :attr:`Endpoint.on_timeout`; docs/reliability.md, "Deadlines and
-        the buffer").
 
     Raises
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
-        withdraw a send already handed to the transport: parked, it may
-        still reach the peer, and gpucx keeps ``buf`` alive (do not modify
-        it) until UCX lets go of it, or the endpoint is closed; released,
-        the endpoint is force-closed first.  The error's ``released`` says
-        which.
+        withdraw a send already handed to the transport: parked (the
+        default) it may still reach the peer, and gpucx keeps ``buf`` alive
+        (do not modify it) until UCX lets go of it, or the endpoint is
+        closed; released (:attr:`Endpoint.on_timeout` ``"release"``) the
+        endpoint is force-closed first.  The error's ``released`` says which.
     ValueError
-        For a bad id, an unknown ``proto``, an oversized header or an
-        ``on_timeout`` other than ``"park"``, ``"release"``, None.
+        For a bad id, an unknown ``proto`` or an oversized header.
     gpucx.UnsupportedError
         For CUDA memory on a context that cannot move it, or a ``stream``
         without a CUDA driver.
@@ -941,9 +934,7 @@ def am_send(
         if mt != _HOST and not (ep._proto_seen >> (_AM_PROTO_BIT + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == _INPROGRESS else None)
     if st:
-        if on_timeout is not None:
-            on_timeout_mode(on_timeout)
-        finish(e, slot, st, timeout, _SEND, ep, keep, None, on_timeout)
+        finish(e, slot, st, timeout, _SEND, ep, keep)
 
 
 #: gpucx.protocols' first-use bits of AM sends: one per device memory type

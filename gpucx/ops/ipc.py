@@ -349,7 +349,7 @@ class CopyRequest(Request):
         return True
 
     def wait(
-        self, timeout: float | None = None, *, on_timeout: str | None = None, ep=None
+        self, timeout: float | None = None, on_timeout: str | None = None, ep=None
     ):
         """Progress the worker until the copy finished; return None.
 

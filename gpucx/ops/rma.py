@@ -24,7 +24,6 @@ from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..config import on_timeout_mode
 from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import acquire
@@ -147,15 +146,7 @@ def _key(rkey) -> RemoteKey:
 
 
 def put(
-    ep,
-    buf,
-    rkey,
-    offset: int = 0,
-    *,
-    notify=None,
-    timeout=None,
-    stream=None,
-    on_timeout=None,
+    ep, buf, rkey, offset: int = 0, *, notify=None, timeout=None, stream=None
 ) -> None:
     """Write ``buf`` into the remote region at byte ``offset``; return once
     ``buf`` may be reused (local completion, see the module doc).
@@ -177,11 +168,6 @@ def put(
         A CUDA stream (CuPy/Numba/PyTorch object or raw handle): the put is
         posted only once the work queued on it before the call finished.
         The same holds for ``stream=`` of :func:`get` and the ``_nb`` forms.
-    on_timeout : "park", "release" or None
-        What a passed ``timeout`` does with a put UCX cannot withdraw (None:
-        :attr:`Endpoint.on_timeout`): park it with ``buf``, or force-close
-        the endpoint so that ``buf`` is yours again (docs/reliability.md,
-        "Deadlines and the buffer").  The same holds for :func:`get`.
 
     Raises
     ------
@@ -199,29 +185,18 @@ def put(
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.TimeoutError
-        When ``timeout`` passes first (its ``released`` says whether ``buf``
-        is yours again).
+        When ``timeout`` passes first: the put is parked with ``buf``, or
+        released (:attr:`Endpoint.on_timeout` ``"release"``: the endpoint
+        force-closed, ``buf`` yours again); the error's ``released`` says
+        which (docs/reliability.md, "Deadlines and the buffer").  The same
+        holds for :func:`get`.
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
-    if on_timeout is not None:
-        on_timeout_mode(on_timeout)
     if notify is not None:
-        req = put_nb(ep, buf, rkey, offset, notify=notify, stream=stream)
-        req.wait(timeout, on_timeout=on_timeout)
+        put_nb(ep, buf, rkey, offset, notify=notify, stream=stream).wait(timeout)
         return
-    _post_wait(
-        ep,
-        lib.gpucx_put_wait,
-        buf,
-        rkey,
-        offset,
-        stream,
-        timeout,
-        _PUT,
-        False,
-        on_timeout,
-    )
+    _post_wait(ep, lib.gpucx_put_wait, buf, rkey, offset, stream, timeout, _PUT, False)
 
 
 def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Request:
@@ -259,9 +234,7 @@ def put_nb(ep, buf, rkey, offset: int = 0, *, notify=None, stream=None) -> Reque
     return Request(e, slot, (keep, op, note), "put with notify", None, ep, None, rkey)
 
 
-def get(
-    ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None, on_timeout=None
-) -> None:
+def get(ep, buf, rkey, offset: int = 0, *, timeout=None, stream=None) -> None:
     """Read ``len(buf)`` bytes of the remote region at ``offset`` into
     ``buf``; return when they are there.
 
@@ -277,25 +250,11 @@ def get(
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.TimeoutError
-        When ``timeout`` passes first (its ``released`` says whether ``buf``
-        is yours again; ``on_timeout`` as for :func:`put`).
+        When ``timeout`` passes first.
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
-    if on_timeout is not None:
-        on_timeout_mode(on_timeout)
-    _post_wait(
-        ep,
-        lib.gpucx_get_wait,
-        buf,
-        rkey,
-        offset,
-        stream,
-        timeout,
-        _GET,
-        True,
-        on_timeout,
-    )
+    _post_wait(ep, lib.gpucx_get_wait, buf, rkey, offset, stream, timeout, _GET, True)
 
 
 def _checked(ep, buf, rkey, offset, stream, what: str):
@@ -313,16 +272,7 @@ def _checked(ep, buf, rkey, offset, stream, what: str):
 
 
 def _post_wait(
-    ep,
-    post,
-    buf,
-    rkey,
-    offset,
-    stream,
-    timeout,
-    what: str,
-    is_get: bool,
-    on_timeout=None,
+    ep, post, buf, rkey, offset, stream, timeout, what: str, is_get: bool
 ) -> None:
     """Post a put or a get and wait for it (``post``: ``gpucx_put_wait`` or
     ``gpucx_get_wait``): the shared body of :func:`put` and :func:`get`."""
@@ -356,7 +306,7 @@ def _post_wait(
             ep, what, mt, is_get, n, rkey, slot if st == INPROGRESS else None
         )
     if st:
-        finish(e, slot, st, timeout, what, ep, keep, rkey, on_timeout)
+        finish(e, slot, st, timeout, what, ep, keep, rkey)
 
 
 def get_nb(ep, buf, rkey, offset: int = 0, *, stream=None) -> Request:

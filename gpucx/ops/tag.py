@@ -15,7 +15,6 @@ from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
 from .._lib import ffi, lib
-from ..config import on_timeout_mode
 from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
 from ..mem.buffer import _BUFFER_TYPES as _FAST_TYPES
@@ -73,29 +72,27 @@ _from_buffer = ffi.from_buffer
 _CHAR_ARRAY = ffi.typeof("char[]")
 
 
-def send(ep, buf, tag: int = 0, *, stream=None, timeout=None, on_timeout=None) -> None:
+def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     """Send ``buf`` to the peer with ``tag``; return once ``buf`` is reusable.
 
     ``buf`` is any object :func:`gpucx.mem.as_buffer` accepts, or a list of
     them sent as one message.  ``stream`` (a CuPy/Numba/PyTorch stream or a
     raw handle): the send is posted only once the work queued on it before
     the call has finished (the worker progresses meanwhile).  ``timeout``:
-    seconds to wait at most (None: no limit).  ``on_timeout``: ``"park"``
-    or ``"release"`` (None: :attr:`Endpoint.on_timeout`), what a passed
-    deadline does with a send UCX cannot withdraw (docs/reliability.md,
-    "Deadlines and the buffer").
+    seconds to wait at most (None: no limit).
 
     Raises
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
-        withdraw a send already handed to the transport: parked, it may
-        still reach the peer, and gpucx keeps ``buf`` alive (do not modify
-        it) until UCX lets go of it, or the endpoint is closed; released,
-        the endpoint is force-closed first and ``buf`` is yours again.  The
-        error's ``released`` says which.
-    ValueError
-        For an ``on_timeout`` other than ``"park"``, ``"release"``, None.
+        withdraw a send already handed to the transport: by default
+        (:attr:`Endpoint.on_timeout` ``"park"``) it may still reach the
+        peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed; with ``"release"`` the
+        endpoint is force-closed first and ``buf`` is yours again.  The
+        error's ``released`` says which (docs/reliability.md, "Deadlines
+        and the buffer"; per call: ``send_nb(...).wait(timeout,
+        on_timeout=...)``).
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -122,7 +119,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None, on_timeout=None) -
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, False)
     elif type(buf) is list or type(buf) is tuple:
-        send_nb(ep, buf, tag, stream=stream).wait(timeout, on_timeout=on_timeout)
+        send_nb(ep, buf, tag, stream=stream).wait(timeout)
         return
     else:
         ptr, n, mt, keep = acquire(buf, False, stream, True)
@@ -138,9 +135,7 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None, on_timeout=None) -
         if not (ep._proto_seen >> (32 + mt)) & 1:
             _check_protocol(ep, mt, n, slot if st == INPROGRESS else None)
     if st:
-        if on_timeout is not None:
-            on_timeout_mode(on_timeout)
-        finish(e, slot, st, timeout, _SEND, ep, keep, None, on_timeout)
+        finish(e, slot, st, timeout, _SEND, ep, keep)
 
 
 def _check_protocol(ep, mt: int, n: int, slot) -> None:
@@ -230,18 +225,8 @@ def recv(
     timeout: float | None = None,
     *,
     stream=None,
-    on_timeout=None,
-    ep=None,
 ) -> RecvInfo:
     """Receive one message whose tag matches ``tag`` under ``tag_mask``.
-
-    ``on_timeout`` (``"park"``, ``"release"``; None: ``ep``'s
-    :attr:`Endpoint.on_timeout`, or the context's ``GPUCX_ON_TIMEOUT``):
-    what a passed deadline does with a receive UCX already matched to a
-    send and so cannot withdraw.  Releasing it force-closes ``ep``, the
-    endpoint to the sender, which only the caller knows (a tag receive is
-    worker-wide): without ``ep`` such a receive is parked (docs/reliability.md,
-    "Deadlines and the buffer").
 
     ``stream`` (a CuPy/Numba/PyTorch stream or a raw handle): the receive is
     posted only once the work queued on it before the call has finished, so
@@ -259,15 +244,14 @@ def recv(
     gpucx.MessageTruncatedError
         If the message is larger than ``buf`` (names both sizes).
     gpucx.TimeoutError
-        When ``timeout`` seconds pass first (the receive is canceled, and
-        parked or released if UCX had matched it: the error's ``released``
-        says whether ``buf`` is yours again).
+        When ``timeout`` seconds pass first (the receive is canceled; one
+        UCX already matched to a send stays parked, its ``released`` False:
+        to release it, ``recv_nb(...).wait(timeout, on_timeout="release",
+        ep=endpoint_to_the_sender)``, docs/reliability.md).
     BufferError
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
         If the worker is closed.
-    ValueError
-        For an ``on_timeout`` other than ``"park"``, ``"release"``, None.
     gpucx.UnsupportedError
         As for :func:`send`.
     """
@@ -282,8 +266,7 @@ def recv(
         except (ValueError, BufferError, TypeError):
             ptr, n, mt, keep = acquire(buf, True)
     elif type(buf) is list or type(buf) is tuple:
-        req = recv_nb(worker, buf, tag, tag_mask, stream=stream)
-        return req.wait(timeout, on_timeout=on_timeout, ep=ep)
+        return recv_nb(worker, buf, tag, tag_mask, stream=stream).wait(timeout)
     else:
         ptr, n, mt, keep = acquire(buf, True, stream, True)
     if mt == _HOST and stream is None:
@@ -304,9 +287,7 @@ def recv(
             slot, st = _recv(e, h, ptr, n, tag, tag_mask, mt, timeout)
     if st:
         if st == INPROGRESS:
-            if on_timeout is not None:
-                on_timeout_mode(on_timeout)
-            st = e.block(slot, timeout, keep, ep, True, None, on_timeout)
+            st = e.block(slot, timeout, keep)
         if st:
             raise_status(st, _RECV, None, slot, n)
     return _tuple_new(RecvInfo, (slot.tag, slot.length))
