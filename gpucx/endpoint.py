@@ -327,12 +327,13 @@ class Endpoint(Handle):
         the peer's gpucx fails its endpoint back to this worker
         (:meth:`fail`), so that its own pending operations with this side
         end at once with :class:`~gpucx.PeerError` rather than at their
-        deadlines.  The notice is best effort: it is dropped when the
-        transport's queue towards the peer is full (a stopped peer that
-        stopped taking data); then a peer over TCP still sees the
-        connection close, one over shared memory only its own deadlines
-        (docs/reliability.md, "Deadlines and the buffer").  Safe on a
-        closed endpoint (does nothing).
+        deadlines.  The notice is best effort: it queues behind what the
+        endpoint already queued towards the peer and is dropped with the
+        close if it has not left within ``ABORT_NOTICE_S`` (a send, put or
+        get queued towards a peer that stopped taking data); the peer then
+        learns only from its own deadlines (docs/reliability.md,
+        "Deadlines and the buffer").  Safe on a closed endpoint (does
+        nothing).
         """
         if self._h is None:
             return

@@ -34,6 +34,7 @@ import time
 
 _out = os.fdopen(os.dup(1), "w", buffering=1)
 os.dup2(2, 1)  # before UCX loads: its log lines go to fd 1
+faulthandler.enable()
 faulthandler.dump_traceback_later(
     int(os.environ.get("GPUCX_PEER_DEADLINE", "40")), exit=True
 )

@@ -168,9 +168,12 @@ def test_aio_cancel_parks_by_default():
 @pytest.mark.timeout(90)
 def test_release_across_hosts(hosts):
     """The releaser and the stopped peer on two emulated hosts (TCP over a
-    veth link): a rendezvous send and a get release, canary intact."""
+    veth link): a get and a put release, canary intact.  (Not a
+    send: UCX 1.22 crashes now and then after a force close with a TCP
+    rendezvous send in flight, also without gpucx's release;
+    docs/reliability.md, "Known UCX limitation".)"""
     a, b = hosts
-    for op in ("send", "get"):
+    for op in ("get", "put"):
         error, seen, intact = _run(
             op,
             "release",
@@ -379,3 +382,21 @@ def test_give_up_releases_a_request():
         with pytest.raises(gpucx.CanceledError):
             req.result()
         assert req.give_up() is True  # over already
+
+
+def test_why_a_release_is_refused():
+    """Each reason ``on_timeout="release"`` falls back to parking, as the
+    error words it (the engine's decision, before any UCX call)."""
+    with gpucx.Context(config={"TLS": "tcp,self"}) as ctx:
+        w = ctx.create_worker()
+        e = w._engine
+        ep = w.connect(w.address)
+        assert e._why_not_release(ep, "release") is None
+        assert "on_timeout='park'" in e._why_not_release(ep, "park")
+        assert "on_timeout='park'" in e._why_not_release(ep, None)
+        assert "cannot tell its endpoint" in e._why_not_release(None, "release")
+        ep.abort("test")
+        assert "already closed or failed" in e._why_not_release(ep, "release")
+        before = str(ep.error)
+        ep.fail("nothing: closed already")  # no-op on a closed endpoint
+        assert str(ep.error) == before
