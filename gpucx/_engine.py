@@ -35,6 +35,7 @@ whose peer is watched registers what to do when the peer dies
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -43,7 +44,7 @@ from typing import Any
 from . import _liveness as _live
 from ._handle import raise_closed
 from ._lib import ffi, lib
-from .errors import TimeoutError
+from .errors import TimeoutError, note_deadline
 
 __all__ = ["Engine", "new_slot", "slice_ms", "INPROGRESS", "SLICE_MS"]
 
@@ -59,6 +60,11 @@ SWEEP_MIN = 1024
 #: a receive reports back within a progress call or two; UCX cannot cancel a
 #: send, which is parked at once so that the deadline is kept.
 CANCEL_DRAIN_S = 0.02
+#: How long ``on_timeout="release"`` waits, after force-closing the
+#: endpoint, for UCX to complete the operation (a force close completes
+#: what it purges within a progress call or two; the bound is for a UCX
+#: that does not).
+RELEASE_DRAIN_S = 1.0
 
 #: What the C sleeps report when a watched local peer's pidfd woke them.
 _PEER_EXITED = lib.GPUCX_PEER_EXITED
@@ -524,6 +530,7 @@ class Engine:
         ep=None,
         cancel: bool = True,
         holds: Any = None,
+        on_timeout: str | None = None,
     ) -> int:
         """Progress until ``slot`` completes; return its status.
 
@@ -535,12 +542,16 @@ class Engine:
         wait); ``holds``: the remote keys it uses (:meth:`holding`).
         ``cancel=False`` for operations UCX cannot cancel (atomics: UCX
         aborts the process when asked to cancel a software atomic): on
-        timeout they are parked without a cancel request.
+        timeout they are parked without a cancel request.  ``on_timeout``
+        (``"park"``, ``"release"``, None: ``ep``'s): what :meth:`abandon`
+        does with an operation UCX does not withdraw.
 
         Raises
         ------
         gpucx.TimeoutError
-            When ``timeout`` seconds pass first; the operation is canceled.
+            When ``timeout`` seconds pass first; the operation is given up
+            (:meth:`abandon`), and the error's ``released`` says whether its
+            buffers are the caller's again.
         gpucx.PeerError
             When gpucx finds ``ep``'s peer dead while waiting (the operation
             is parked until UCX lets go of it).
@@ -574,7 +585,10 @@ class Engine:
                         st = self._spin_due(slot, self.spin_ns, deadline)
             return st
         except BaseException:
-            self.abandon(slot, keep, cancel, holds)
+            exc = sys.exc_info()[1]
+            released, detail = self.abandon(slot, keep, cancel, holds, ep, on_timeout)
+            if exc is not None:
+                note_deadline(exc, released, detail)
             raise
 
     def wait_for(
@@ -667,32 +681,103 @@ class Engine:
         return not pending
 
     def abandon(
-        self, slot, keep: Any = None, cancel: bool = True, holds: Any = None
-    ) -> None:
+        self,
+        slot,
+        keep: Any = None,
+        cancel: bool = True,
+        holds: Any = None,
+        ep=None,
+        on_timeout: str | None = None,
+    ) -> tuple[bool, str]:
         """Give up waiting for an operation: cancel it (unless ``cancel`` is
         False) and wait (bounded) until UCX lets go of it.
 
         If UCX does not report back within ``CANCEL_DRAIN_S`` (a send, which
-        UCX cannot cancel), the slot and ``keep`` are parked
-        (:meth:`park`): never freed while UCX may still use them, freed once
-        UCX lets go.
+        UCX cannot cancel; a receive UCX already matched), what happens
+        depends on ``on_timeout`` (None: ``ep.on_timeout``, or ``"park"``
+        without an endpoint):
+
+        * ``"park"``: the slot and ``keep`` are parked (:meth:`park`): never
+          freed while UCX may still use them, freed once UCX lets go;
+        * ``"release"``: ``ep`` is force-closed (``Endpoint.abort``), which
+          makes UCX complete everything it holds on it, and the operation
+          is drained (at most ``RELEASE_DRAIN_S``).  Without an endpoint
+          (a worker-wide receive), on a closed one, or on one whose peer
+          reaches this process's memory by itself
+          (``Endpoint.direct_access``), it is parked instead.
+
+        Returns ``(released, detail)``: whether UCX let go of the
+        operation's buffers, and what happened, in words (for the error
+        raised: :func:`gpucx.errors.note_deadline`).
         """
         h = self.h
         if slot.status != INPROGRESS or h is None:
             _slot_release(slot)
-            return
+            return True, "the operation is over"
         if cancel:
             lib.gpucx_slot_cancel(h, slot)
         end = time.monotonic() + CANCEL_DRAIN_S
         while slot.status == INPROGRESS and time.monotonic() < end:
             _wait(h, slot, 1_000_000)
-        if slot.status == INPROGRESS:
-            self.park(slot, keep, holds)
-        else:
-            _slot_release(slot)
         if slot is self.sslot:
             # The shared blocking slot may still be referenced by UCX.
             self.sslot = new_slot()
+        if slot.status != INPROGRESS:
+            _slot_release(slot)
+            return True, "UCX withdrew the operation"
+        why = self._release((slot, keep, holds), ep, on_timeout)
+        if why is None:
+            return True, f"gpucx force-closed endpoint {ep.peer} (on_timeout='release')"
+        return False, (
+            f"{why}; UCX keeps the buffer in use until it lets go of the "
+            "operation (do not modify or free it), or the endpoint or worker "
+            "closes"
+        )
+
+    def _release(self, entry: tuple, ep, on_timeout: str | None) -> str | None:
+        """``on_timeout="release"`` for an operation UCX did not withdraw,
+        ``entry`` ``(slot, keep, holds)``: force-close ``ep`` and drain the
+        slot.  None when UCX let go of it (its slot released), else why it
+        still holds it (and the operation is parked)."""
+        why = self._why_not_release(ep, on_timeout)
+        slot = entry[0]
+        # Parked while the endpoint closes: the remote keys closed with it
+        # see the operation that uses them (holding) and wait for it.
+        self.parked.append(entry)
+        if why is not None:
+            return why
+        ep.abort("released after a deadline (on_timeout='release')")
+        self.drain_slots([slot], time.monotonic() + RELEASE_DRAIN_S)
+        if slot.status == INPROGRESS:
+            return f"UCX still held the operation after endpoint {ep.peer} closed"
+        self.parked[:] = [p for p in self.parked if p is not entry]
+        if self.parked_keys:
+            self.free_parked_keys()
+        _slot_release(slot)
+        return None
+
+    def _why_not_release(self, ep, on_timeout: str | None) -> str | None:
+        """Why ``on_timeout`` does not release over ``ep`` (None: it does)."""
+        if on_timeout is None:
+            on_timeout = self.context.on_timeout if ep is None else ep.on_timeout
+        if on_timeout != "release":
+            return "UCX could not withdraw the operation (on_timeout='park')"
+        if ep is None:
+            return (
+                "UCX could not withdraw the operation and gpucx cannot tell "
+                "its endpoint (a worker-wide receive already matched: give "
+                "the receive its endpoint, ep=, to release it)"
+            )
+        if ep.closed:
+            return f"endpoint {ep.peer} was already closed or failed"
+        direct = ep.direct_access()
+        if direct:
+            return (
+                f"endpoint {ep.peer} uses {', '.join(direct)}, through which "
+                "the peer reaches this process's memory by itself: closing "
+                "the endpoint would not stop it, so it was left open"
+            )
+        return None
 
     # -- closing ------------------------------------------------------------------
 

@@ -364,10 +364,15 @@ class _Driver:
         try:
             return await fut
         except asyncio.CancelledError:
-            # Cancel the UCX operation; the worker stays usable and the
-            # request settles (CanceledError) on a later progress.
             self._waiters.pop(req, None)
-            if req.cancel():
+            if req.on_timeout == "release":
+                # Give the buffers back before the cancellation goes on:
+                # cancel, and if UCX does not withdraw the operation,
+                # force-close its endpoint (bounded, synchronous).
+                req.give_up("release")
+            elif req.cancel():
+                # Cancel the UCX operation; the worker stays usable and the
+                # request settles (CanceledError) on a later progress.
                 self._canceled.add(req)
             self.kick()
             raise
@@ -440,6 +445,19 @@ class Endpoint:
     def endpoint(self):
         """The underlying blocking-API :class:`gpucx.Endpoint`."""
         return self._ep
+
+    @property
+    def on_timeout(self) -> str:
+        """:attr:`gpucx.Endpoint.on_timeout`, settable here too: with
+        ``"release"`` a canceled await of an operation on this endpoint
+        (``asyncio.wait_for``, ``task.cancel()``) force-closes the endpoint
+        when UCX cannot withdraw the operation, before the cancellation
+        propagates (docs/reliability.md, "Deadlines and the buffer")."""
+        return self._ep.on_timeout
+
+    @on_timeout.setter
+    def on_timeout(self, mode: str | None) -> None:
+        self._ep.on_timeout = mode
 
     async def asend(
         self, buf, tag: int = 0, sync: bool = False, *, stream=None

@@ -106,7 +106,16 @@ GPUCX_OPTIONS: dict[str, float] = {
     # device memory); see gpucx.ops._staging and docs/gpu.md.  Also read from
     # the environment.
     "STAGING_BYTES": float(256 * _MiB),
+    # What a blocking operation whose deadline passed does with an operation
+    # UCX cannot withdraw: 0 "park" (keep its buffer until UCX lets go), 1
+    # "release" (force-close its endpoint first); written as either name.
+    # docs/reliability.md "Deadlines and the buffer".  Also read from the
+    # environment.
+    "ON_TIMEOUT": 0.0,
 }
+#: The values of ``GPUCX_ON_TIMEOUT`` (and of every ``on_timeout=``), by
+#: their number in :data:`GPUCX_OPTIONS`.
+ON_TIMEOUT_MODES = ("park", "release")
 #: gpucx options whose value must be a whole number.
 GPUCX_INTEGER_OPTIONS = frozenset(
     {
@@ -121,6 +130,7 @@ GPUCX_INTEGER_OPTIONS = frozenset(
         "ARRAY_QUEUE_MAX_BYTES",
         "CUDA_IPC_RMA",
         "STAGING_BYTES",
+        "ON_TIMEOUT",
     }
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a
@@ -131,11 +141,33 @@ GPUCX_ENV_OPTIONS = (
     "CUDA_IPC_RMA",
     "PEER_TIMEOUT",
     "STAGING_BYTES",
+    "ON_TIMEOUT",
 )
+
+
+def on_timeout_mode(value: object) -> str:
+    """Check an ``on_timeout=`` value: ``"park"`` or ``"release"``.
+
+    Raises
+    ------
+    ValueError
+        For any other value.
+    """
+    if value not in ON_TIMEOUT_MODES:
+        raise ValueError(f"on_timeout must be one of {ON_TIMEOUT_MODES}, not {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def _number(name: str, value: object, where: str) -> float:
     """Check one gpucx option value; ``where`` names its origin."""
+    if name == "ON_TIMEOUT":
+        text = str(value).strip().lower()
+        if text in ON_TIMEOUT_MODES:
+            return float(ON_TIMEOUT_MODES.index(text))
+        if text not in ("0", "1", "0.0", "1.0"):
+            raise ValueError(
+                f"{where} must be one of {ON_TIMEOUT_MODES} (or 0, 1), not {value!r}"
+            )
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, OverflowError):

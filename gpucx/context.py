@@ -138,6 +138,9 @@ class Context(Handle):
         #: host that stops answering fails what is pending on it (0 = UCX's
         #: own timeouts).
         self.peer_timeout = own["PEER_TIMEOUT"]
+        #: ``GPUCX_ON_TIMEOUT``: ``"park"`` or ``"release"``, the default
+        #: of every endpoint's :attr:`Endpoint.on_timeout`.
+        self.on_timeout = _config.ON_TIMEOUT_MODES[int(own["ON_TIMEOUT"])]
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
         self._spin_ns = int(own["SPIN_US"] * 1000)
         #: gpucx's own same-host path for put/get on CUDA regions (ops.ipc).

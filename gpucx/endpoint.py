@@ -11,6 +11,7 @@ from ._engine import INPROGRESS, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
 from ._liveness import SUSPECT_S
+from .config import on_timeout_mode
 from .errors import (
     InvalidAddressError,
     UCXError,
@@ -53,6 +54,11 @@ class Endpoint(Handle):
     #: Bits of the (operation, memory type) combinations whose protocol
     #: gpucx checked for a slow path (protocols.first_use).
     _proto_seen = 0
+    #: This endpoint's own ``on_timeout`` (None: the context's).
+    _on_timeout: str | None = None
+    #: Why gpucx force-closed this endpoint to release an operation's
+    #: buffers (``on_timeout="release"``), or None.
+    _released_reason: str | None = None
 
     def __init__(self, worker, state, peer: str):
         self._init_handle()
@@ -64,6 +70,11 @@ class Endpoint(Handle):
         self._h = state.ep
         self.peer = peer
         worker._adopt(self)
+        am = self._engine.am
+        if am is not None and am.enabled and ABORT_AM_ID not in am.handlers:
+            # The notice a peer's abort() sends (a worker with endpoints
+            # of its own is the one that can be told).
+            _am.set_internal_handler(self._engine, ABORT_AM_ID, _on_abort)
 
     @classmethod
     def _connect(cls, worker, address, error_handling: bool, raw: bool = False):
@@ -257,6 +268,106 @@ class Endpoint(Handle):
             "client/server wireup does not cross UCX minor versions; "
             "`gpucx info` shows the version)"
         )
+
+    @property
+    def on_timeout(self) -> str:
+        """What a blocking operation on this endpoint does when its deadline
+        passes (or its wait is interrupted) while UCX still holds it:
+        ``"park"`` (keep the buffer alive, in UCX's use, until UCX lets go)
+        or ``"release"`` (force-close this endpoint so that UCX lets go
+        before the error is raised).  Defaults to the context's
+        ``GPUCX_ON_TIMEOUT``; a call's own ``on_timeout=`` wins.
+        docs/reliability.md, "Deadlines and the buffer".
+
+        Raises
+        ------
+        ValueError
+            When set to anything but ``"park"``, ``"release"`` or None (the
+            context's again).
+        """
+        mode = self._on_timeout
+        return mode if mode is not None else self._engine.context.on_timeout
+
+    @on_timeout.setter
+    def on_timeout(self, mode: str | None) -> None:
+        self._on_timeout = None if mode is None else on_timeout_mode(mode)
+
+    def direct_access(self) -> list[str]:
+        """The transports of this endpoint through which the peer reaches
+        this process's memory by itself (``cma``, ``knem``, ``xpmem``,
+        ``cuda_ipc``, ``rocm_ipc``, ``dc``...: a peer holding a rendezvous
+        address reads or writes it without this endpoint), as UCX reports
+        them (:attr:`transports` and :meth:`protocols`).  Closing this
+        endpoint cannot stop those: ``on_timeout="release"`` does not
+        release over them.  Empty for TCP, copy-in/copy-out shared memory
+        (``posix``, ``sysv``), ``self`` and RC verbs.
+
+        Raises
+        ------
+        gpucx.ClosedError
+            If the endpoint is closed.
+        """
+        names = {tl for tl, _dev in self.transports}
+        for row in self.protocols():
+            names.update(part.split("/")[0] for part in row.config.split(","))
+        return sorted(n for n in names if n.strip().startswith(_DIRECT_ACCESS))
+
+    def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
+        """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
+        UCX lets go of everything it holds on it; ``reason`` says why.
+
+        What ``on_timeout="release"`` does when a deadline passes: every
+        operation still outstanding on the endpoint completes as canceled
+        (:class:`~gpucx.CanceledError`), its buffers no longer in UCX's use
+        (except over :meth:`direct_access` transports), and later
+        operations raise :class:`~gpucx.ClosedError`.
+
+        With ``notify`` (and the ``"am"`` feature) a small notice goes to
+        the peer first, in order behind what this endpoint already sent:
+        the peer's gpucx fails its endpoint back to this worker
+        (:meth:`fail`), so that its own pending operations with this side
+        end at once with :class:`~gpucx.PeerError` rather than at their
+        deadlines.  The notice is best effort: it queues behind what the
+        endpoint already queued towards the peer and is dropped with the
+        close if it has not left within ``ABORT_NOTICE_S`` (a send, put or
+        get queued towards a peer that stopped taking data); the peer then
+        learns only from its own deadlines (docs/reliability.md,
+        "Deadlines and the buffer").  Safe on a closed endpoint (does
+        nothing).
+        """
+        if self._h is None:
+            return
+        self._released_reason = reason
+        self._closed_reason = reason
+        if notify and not self._borrowed:
+            self._notify_abort()
+        self.close(force=True)
+
+    def _notify_abort(self) -> None:
+        """Send the peer the notice of :meth:`abort` and give it
+        ``ABORT_NOTICE_S`` to leave; the force close that follows cancels it
+        if it could not."""
+        e = self._engine
+        if e.am is None or not e.am.enabled or self._state.error != lib.UCS_OK:
+            return
+        try:
+            req = _am.send_internal_nb(self, ABORT_AM_ID, b"", reply=True)
+        except UCXError:
+            return  # the endpoint failed meanwhile: nothing to tell
+        if not req.done():
+            e.drain([req], time.monotonic() + ABORT_NOTICE_S)
+
+    def fail(self, reason: str) -> None:
+        """Fail this endpoint now, as when its peer dies: every operation
+        pending on it fails with :class:`~gpucx.PeerError` naming
+        ``reason`` (a tag receive UCX already matched to the peer's send
+        too), later operations raise it at once, and the UCX endpoint is
+        force-closed.  What a peer's :meth:`abort` notice does on arrival.
+        Safe on a closed endpoint (does nothing).
+        """
+        if self._h is None or self._borrowed:
+            return
+        self._peer_died(reason)
 
     @property
     def transports(self) -> list[tuple[str, str]]:
@@ -526,6 +637,28 @@ def _check_worker_address(blob: bytes, local: bytes) -> None:
             f"this UCX reads (0..{newest})"
         )
 
+
+#: The reserved active-message id of Endpoint.abort's notice to the peer.
+ABORT_AM_ID = 0xFF30
+#: How long Endpoint.abort gives its notice to leave before the force close.
+ABORT_NOTICE_S = 0.005
+#: What a peer's abort notice fails the endpoint with.
+_ABORTED_BY_PEER = (
+    "the peer closed the connection after giving up an operation "
+    "(on_timeout='release' or Endpoint.abort)"
+)
+
+
+def _on_abort(msg) -> None:
+    """The handler of Endpoint.abort's notice: fail the endpoint it came on."""
+    ep = msg.reply_ep
+    if ep is not None:
+        ep.fail(_ABORTED_BY_PEER)
+
+
+#: Transports (name prefixes) through which a peer reaches this process's
+#: memory by itself, without this endpoint (Endpoint.direct_access).
+_DIRECT_ACCESS = ("cma", "knem", "xpmem", "cuda_ipc", "rocm_ipc", "dc")
 
 #: UCX could not attach a peer's shared-memory segment.
 _SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT

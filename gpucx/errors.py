@@ -29,6 +29,7 @@ __all__ = [
     "peer_error_for",
     "peer_gone",
     "ep_create_error",
+    "note_deadline",
 ]
 
 
@@ -43,7 +44,18 @@ class UCXError(Exception):
     status_name : str
         The symbolic name, e.g. ``"UCS_ERR_CANCELED"`` (``""`` when ``status``
         is ``None``).
+    released : bool or None
+        For an operation given up (a deadline passed, the peer died, the
+        wait was interrupted): True when the operation's buffers are the
+        caller's again as the error is raised (UCX withdrew the operation,
+        or gpucx force-closed its endpoint: ``on_timeout="release"``), False
+        when UCX still holds them (parked until UCX lets go of them; do not
+        modify them).  None for every other error.  docs/reliability.md,
+        "Deadlines and the buffer".
     """
+
+    #: See the class doc; set by :func:`note_deadline`.
+    released: bool | None = None
 
     def __init__(self, message: str, status: int | None = None):
         super().__init__(message)
@@ -173,6 +185,20 @@ def peer_gone(what: str, reason: str, status: int | None = None) -> PeerError:
     if status is None:
         status = lib.UCS_ERR_CONNECTION_RESET
     return PeerError(f"{what}: {reason}", status)
+
+
+def note_deadline(exc: BaseException, released: bool, detail: str) -> None:
+    """Say on ``exc`` (the error of an operation given up) what became of
+    the operation's buffers: ``released`` (:attr:`UCXError.released`) and
+    ``detail`` appended to the message.  An exception that is no
+    :class:`UCXError` (``KeyboardInterrupt``) gets ``detail`` as a note."""
+    text = ("released: " if released else "still parked: ") + detail
+    if isinstance(exc, UCXError):
+        exc.released = released
+        if exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]} ({text})",) + exc.args[1:]
+    else:
+        exc.add_note(f"gpucx: {text}")
 
 
 def ep_create_error(status: int, peer: str, by_address: bool) -> UCXError | None:

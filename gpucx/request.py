@@ -20,6 +20,7 @@ from typing import Any
 
 from ._engine import INPROGRESS, new_slot
 from ._lib import ffi, lib
+from .config import on_timeout_mode
 from .errors import (
     CanceledError,
     MessageTruncatedError,
@@ -65,13 +66,15 @@ def finish(
     ep=None,
     keep=None,
     holds=None,
+    on_timeout: str | None = None,
 ) -> None:
     """Complete a just-posted operation synchronously: wait while it is
     pending (``keep`` holds its buffers, ``holds`` names the remote keys it
-    uses: see :meth:`gpucx._engine.Engine.holding`), raise its error if it
-    failed."""
+    uses: see :meth:`gpucx._engine.Engine.holding`; ``on_timeout``: what a
+    passed deadline does, :meth:`gpucx._engine.Engine.abandon`), raise its
+    error if it failed."""
     if st == INPROGRESS:
-        st = engine.block(slot, timeout, keep, ep, True, holds)
+        st = engine.block(slot, timeout, keep, ep, True, holds, on_timeout)
     if st != OK:
         raise_status(st, what, ep, slot)
 
@@ -225,23 +228,49 @@ class Request:
         self._complete()
         return True
 
-    def wait(self, timeout: float | None = None):
+    # on_timeout and ep are not keyword-only: a keyword-only default costs
+    # about 20 ns a call (a dict lookup each), a positional one about 1 ns,
+    # and wait() is on the 8-byte send_nb(...).wait() path.
+    def wait(
+        self, timeout: float | None = None, on_timeout: str | None = None, ep=None
+    ):
         """Block until the operation finished; return its result.
+
+        ``on_timeout`` (``"park"`` or ``"release"``; None: :attr:`on_timeout`):
+        what happens when ``timeout`` passes (or the wait is interrupted)
+        while UCX still holds the operation (docs/reliability.md, "Deadlines
+        and the buffer").  ``ep``: for an operation of no endpoint (a tag
+        receive), the endpoint its data comes from: releasing a receive UCX
+        already matched force-closes it, and its failure fails the wait.
 
         Raises
         ------
         gpucx.TimeoutError
-            When ``timeout`` seconds pass first (the operation is canceled).
+            When ``timeout`` seconds pass first: the operation is canceled,
+            and if UCX cannot withdraw it, parked or released as
+            ``on_timeout`` says; the error's ``released`` tells which.
         gpucx.UCXError
             The operation's own error (``PeerError``, ``CanceledError``...).
+        ValueError
+            For an ``on_timeout`` other than ``"park"``, ``"release"``, None.
         """
+        if on_timeout is not None:
+            on_timeout_mode(on_timeout)
         if not self._state:
             if self._slot.status == INPROGRESS:
                 e = self._engine
                 if e.h is None:
                     e.raise_closed()
                 try:
-                    e.block(self._slot, timeout, None, self._ep, self._cancelable)
+                    e.block(
+                        self._slot,
+                        timeout,
+                        None,
+                        self._ep if ep is None else ep,
+                        self._cancelable,
+                        None,
+                        on_timeout,
+                    )
                 except BaseException:
                     if self._state:  # failed while waiting (a dead peer)
                         raise self._value from None
@@ -276,6 +305,50 @@ class Request:
         if not self.done():
             raise InvalidStateError(f"{self!r} has not finished")
         return self._value if self._state == 2 else None
+
+    @property
+    def on_timeout(self) -> str:
+        """What a passed deadline (or a canceled await) does with this
+        operation if UCX cannot withdraw it: its endpoint's
+        :attr:`~gpucx.Endpoint.on_timeout`, or the context's
+        ``GPUCX_ON_TIMEOUT`` for an operation of no endpoint."""
+        ep = self._ep
+        return ep.on_timeout if ep is not None else self._engine.context.on_timeout
+
+    def give_up(self, on_timeout: str | None = None) -> bool:
+        """Give the operation up now, as a passed deadline does: cancel it,
+        and if UCX does not withdraw it, park it or release it
+        (``on_timeout``, None: :attr:`on_timeout`; docs/reliability.md,
+        "Deadlines and the buffer").  The request then fails
+        (:class:`~gpucx.CanceledError`) once UCX let go of it.
+
+        Returns
+        -------
+        bool
+            True when UCX no longer holds the operation's buffers (it
+            finished, was withdrawn, or its endpoint was force-closed);
+            False when it is parked.
+
+        Raises
+        ------
+        ValueError
+            For an ``on_timeout`` other than ``"park"``, ``"release"``, None.
+        """
+        if on_timeout is not None:
+            on_timeout_mode(on_timeout)
+        if self._state or self._slot.status != INPROGRESS:
+            self.done()
+            return True
+        e = self._engine
+        if e.h is None:
+            return False
+        e.suspects.pop(self, None)  # given up by the caller, not a death
+        released, _detail = e.abandon(
+            self._slot, None, self._cancelable, None, self._ep, on_timeout
+        )
+        if self._slot.status != INPROGRESS:
+            self._complete()
+        return released
 
     def cancel(self) -> bool:
         """Ask UCX to cancel the operation; True if it was still pending.

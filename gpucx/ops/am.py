@@ -903,9 +903,11 @@ def am_send(
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
-        withdraw a send already handed to the transport: it may still reach
-        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
-        lets go of it, or the endpoint is closed.
+        withdraw a send already handed to the transport: parked (the
+        default) it may still reach the peer, and gpucx keeps ``buf`` alive
+        (do not modify it) until UCX lets go of it, or the endpoint is
+        closed; released (:attr:`Endpoint.on_timeout` ``"release"``) the
+        endpoint is force-closed first.  The error's ``released`` says which.
     ValueError
         For a bad id, an unknown ``proto`` or an oversized header.
     gpucx.UnsupportedError

@@ -348,8 +348,14 @@ class CopyRequest(Request):
         self._complete()
         return True
 
-    def wait(self, timeout: float | None = None):
+    def wait(
+        self, timeout: float | None = None, on_timeout: str | None = None, ep=None
+    ):
         """Progress the worker until the copy finished; return None.
+
+        ``on_timeout`` and ``ep`` change nothing: the copy runs on the GPU
+        from the peer's memory mapped here (CUDA IPC), which no endpoint
+        close stops, so a passed deadline always leaves it going on.
 
         Raises
         ------

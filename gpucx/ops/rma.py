@@ -185,7 +185,11 @@ def put(
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.TimeoutError
-        When ``timeout`` passes first.
+        When ``timeout`` passes first: the put is parked with ``buf``, or
+        released (:attr:`Endpoint.on_timeout` ``"release"``: the endpoint
+        force-closed, ``buf`` yours again); the error's ``released`` says
+        which (docs/reliability.md, "Deadlines and the buffer").  The same
+        holds for :func:`get`.
     gpucx.ClosedError
         If the endpoint or the key is closed.
     """
@@ -285,6 +289,7 @@ def _post_wait(
         m = _own.route(ep, rkey, mt, ptr, is_get)
         if m is not None:
             req = _own.post(ep, m, rkey, ptr, n, raddr, is_get, stream, keep, what)
+            # A CUDA IPC copy: no endpoint close stops it (CopyRequest.wait).
             req.wait(timeout)
             return
     if mt == _HOST and stream is None:

@@ -85,9 +85,14 @@ def send(ep, buf, tag: int = 0, *, stream=None, timeout=None) -> None:
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before ``buf`` is reusable.  UCX cannot
-        withdraw a send already handed to the transport: it may still reach
-        the peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
-        lets go of it, or the endpoint is closed.
+        withdraw a send already handed to the transport: by default
+        (:attr:`Endpoint.on_timeout` ``"park"``) it may still reach the
+        peer, and gpucx keeps ``buf`` alive (do not modify it) until UCX
+        lets go of it, or the endpoint is closed; with ``"release"`` the
+        endpoint is force-closed first and ``buf`` is yours again.  The
+        error's ``released`` says which (docs/reliability.md, "Deadlines
+        and the buffer"; per call: ``send_nb(...).wait(timeout,
+        on_timeout=...)``).
     gpucx.PeerError
         If the peer died or is unreachable.
     gpucx.ClosedError
@@ -239,7 +244,10 @@ def recv(
     gpucx.MessageTruncatedError
         If the message is larger than ``buf`` (names both sizes).
     gpucx.TimeoutError
-        When ``timeout`` seconds pass first (the receive is canceled).
+        When ``timeout`` seconds pass first (the receive is canceled; one
+        UCX already matched to a send stays parked, its ``released`` False:
+        to release it, ``recv_nb(...).wait(timeout, on_timeout="release",
+        ep=endpoint_to_the_sender)``, docs/reliability.md).
     BufferError
         If ``buf`` is read-only or not contiguous.
     gpucx.ClosedError
