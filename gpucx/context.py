@@ -160,6 +160,16 @@ class Context(Handle):
         return f"<gpucx.Context {state}>"
 
     @property
+    def options(self) -> dict[str, float | str]:
+        """gpucx's own options (the ``GPUCX_*`` keys, without the prefix) as
+        this context took them: ``Context(config=...)`` over the environment
+        over the defaults (``gpucx.config.GPUCX_OPTIONS``).  A copy; numbers,
+        except ``ON_TIMEOUT``, which is its mode's name."""
+        out: dict[str, float | str] = dict(self._options)
+        out["ON_TIMEOUT"] = self.on_timeout
+        return out
+
+    @property
     def memory_types(self) -> frozenset[MemoryType]:
         """Memory types this context's transports can move."""
         h = self._h

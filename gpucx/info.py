@@ -94,6 +94,7 @@ def collect() -> dict:
     except (BenchSetupError, OSError, subprocess.TimeoutExpired) as exc:
         error = str(exc)
     with gpucx.Context() as ctx:
+        options = ctx.options
         memory_types = sorted(m.name for m in ctx.memory_types)
         problem = ctx.cuda_problem
         tuned = dict(ctx.tuned)
@@ -123,7 +124,31 @@ def collect() -> dict:
             "seconds": peer_timeout,
             "options": _peer_timeout(tuned, peer_timeout),
         },
+        "options": _options(options),
     }
+
+
+def _options(values: dict) -> list[dict]:
+    """gpucx's own options as a default context takes them: each with its
+    value and whether it is the default (else the environment set it)."""
+    from .config import GPUCX_OPTIONS, GPUCX_PREFIX, ON_TIMEOUT_MODES
+
+    rows = []
+    for name, number in GPUCX_OPTIONS.items():
+        value = values[name]
+        default: float | str = number
+        if name == "ON_TIMEOUT":
+            default = ON_TIMEOUT_MODES[int(number)]
+        elif float(value).is_integer():
+            value = int(value)
+        rows.append(
+            {
+                "option": GPUCX_PREFIX + name,
+                "value": value,
+                "state": "default" if value == default else "set by the environment",
+            }
+        )
+    return rows
 
 
 def _tuned(applied: dict[str, str]) -> list[dict]:
@@ -217,6 +242,10 @@ def format_info(info: dict) -> str:
         for t in peer["options"]:
             lines.append(f"  {t['option']}={t['value']}: {t['state']}")
             lines.append(f"    {t['why']}")
+    if info.get("options"):
+        lines.append('gpucx options (docs/guide.md, "gpucx\'s options")')
+        for t in info["options"]:
+            lines.append(f"  {t['option']}={t['value']}: {t['state']}")
     lines.append("transports   (transport/device, memory domain)")
     for d in info["domains"]:
         for t, dev in d["transports"]:

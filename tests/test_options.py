@@ -94,3 +94,37 @@ def test_payload_already_received_is_one_error_type(pair):
     pair.drive(probe.recv_nb(bytearray(2)))
     with pytest.raises(gpucx.AlreadyReceivedError):
         probe.recv_nb(bytearray(2))
+
+
+def test_context_options_say_what_the_context_took(monkeypatch):
+    """``ctx.options``: config over environment over defaults, a copy, with
+    the timeout mode by name; ``gpucx info`` lists each and says which the
+    environment set."""
+    from gpucx.config import GPUCX_OPTIONS, GPUCX_PREFIX
+    from gpucx.info import collect, format_info
+
+    for name in GPUCX_OPTIONS:
+        monkeypatch.delenv(GPUCX_PREFIX + name, raising=False)
+    monkeypatch.setenv("GPUCX_STAGING_BYTES", "4096")
+    monkeypatch.setenv("GPUCX_SPIN_US", "7")
+    with gpucx.Context(config={"GPUCX_SPIN_US": 3, "GPUCX_ON_TIMEOUT": "release"}) as c:
+        opts = c.options
+        assert set(opts) == set(GPUCX_OPTIONS)
+        assert opts["SPIN_US"] == 3  # the config key wins over the environment
+        assert opts["STAGING_BYTES"] == 4096
+        assert opts["ON_TIMEOUT"] == "release"
+        assert opts["PEER_TIMEOUT"] == GPUCX_OPTIONS["PEER_TIMEOUT"]
+        opts["SPIN_US"] = 99
+        assert c.options["SPIN_US"] == 3  # a copy
+    rows = {r["option"]: r for r in collect()["options"]}
+    assert set(rows) == {GPUCX_PREFIX + n for n in GPUCX_OPTIONS}
+    assert rows["GPUCX_STAGING_BYTES"] == {
+        "option": "GPUCX_STAGING_BYTES",
+        "value": 4096,
+        "state": "set by the environment",
+    }
+    assert rows["GPUCX_ON_TIMEOUT"]["value"] == "park"
+    assert rows["GPUCX_ON_TIMEOUT"]["state"] == "default"
+    text = format_info(collect())
+    assert "  GPUCX_STAGING_BYTES=4096: set by the environment" in text
+    assert "  GPUCX_PEER_TIMEOUT=10: default" in text

@@ -956,8 +956,14 @@ class ArrayRequest(Request):
                 return True
         return super().done()
 
-    def wait(self, timeout: float | None = None):
+    def wait(
+        self, timeout: float | None = None, on_timeout: str | None = None, ep=None
+    ):
         """Block until the array is here; return it.
+
+        ``on_timeout``, ``ep``: as for :meth:`gpucx.Request.wait`, once the
+        array matched (its transfer is what UCX may still hold); a request
+        no array matched yet is withdrawn at its deadline, nothing held.
 
         Raises
         ------
@@ -996,7 +1002,7 @@ class ArrayRequest(Request):
             # The array is here: give its transfer at least a second.
             if deadline is not None:
                 timeout = max(1.0, deadline - time.monotonic())
-        return super().wait(timeout)
+        return super().wait(timeout, on_timeout, ep)
 
     def cancel(self) -> bool:
         """Withdraw the request, or cancel its array's transfer; True if
