@@ -101,6 +101,10 @@ GPUCX_OPTIONS: dict[str, float] = {
     # peer_timeout_options, docs/reliability.md "Peers on other hosts".
     # Also read from the environment.
     "PEER_TIMEOUT": 10.0,
+    # Bytes that operations given up on same-host endpoints may hold while
+    # UCX keeps them (0 = no limit); past it, connect(mode="same-host")
+    # refuses (Worker.stranded_bytes, docs/guide.md "Endpoint modes").
+    "MAX_STRANDED_BYTES": float(512 * _MiB),
 }
 #: gpucx options whose value must be a whole number.
 GPUCX_INTEGER_OPTIONS = frozenset(
@@ -115,6 +119,7 @@ GPUCX_INTEGER_OPTIONS = frozenset(
         "ARRAY_QUEUE_MAX_COUNT",
         "ARRAY_QUEUE_MAX_BYTES",
         "CUDA_IPC_RMA",
+        "MAX_STRANDED_BYTES",
     }
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a
