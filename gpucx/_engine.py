@@ -5,7 +5,7 @@ parked), the liveness of peers on this host, and every wait.
 A :class:`~gpucx.Worker` holds one :class:`Engine` (``worker._engine``; an
 :class:`~gpucx.Endpoint` holds its worker's).  The layers above --
 ``gpucx.request``, ``gpucx.ops``, ``gpucx.mem``, ``gpucx.aio`` and, through
-:func:`gpucx._internal.engine`, ``gpucx.dask`` and ``gpucx.bench`` -- touch
+:func:`gpucx._internal.engine`, ``gpucx.bench`` -- touch
 progress and waiting only through the engine's attributes and methods
 documented here, never through the Worker's private fields
 (docs/layout.md, "The engine").
