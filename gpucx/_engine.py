@@ -632,8 +632,16 @@ class Engine:
                 st = self._spin_due(slot, self.spin_ns, deadline)
             while st == INPROGRESS:
                 self.poll_events()
-                if ep is not None and ep.closed and slot.status == INPROGRESS:
-                    raise_closed(ep)  # the peer died: PeerError
+                if (
+                    ep is not None
+                    and ep.closed
+                    and slot.status == INPROGRESS
+                    and ep.error is not None
+                ):
+                    # The peer died: PeerError.  (A same-host endpoint
+                    # closed with this operation pending has no error: UCX
+                    # still does it, Engine.park_endpoint.)
+                    raise_closed(ep)
                 ms = slice_ms(deadline, timeout, "operation did not complete")
                 st = lib.gpucx_wait_sleep(self.h, self.efd, self.pfd, slot, ms)
                 if st == _PEER_EXITED:

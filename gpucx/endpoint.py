@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -262,23 +263,28 @@ class Endpoint(Handle):
         self._deadline = self._w._deadline
         self._close_children()
 
-    def _give_up_requests(self, reason: str | None, strand: bool = True) -> list:
-        """This endpoint's requests that UCX still holds are given up: on a
-        same-host endpoint their bytes count as stranded
+    def _give_up_requests(
+        self, reason: str | None, strand: bool = True, reqs: list | None = None
+    ) -> list:
+        """This endpoint's requests (or ``reqs``) that UCX still holds are
+        given up: on a same-host endpoint their bytes count as stranded
         (:meth:`gpucx._engine.Engine.strand`) unless ``strand`` is False
-        (counted already).  With ``reason`` (the peer
-        died) each is parked with its buffers and fails with PeerError, and
-        those already finished complete.  Returns their slots."""
+        (counted already).  With ``reason`` (the peer died) each is parked
+        with its buffers and fails with PeerError, and those already
+        finished complete.  Returns ``(request, slot)`` of those UCX
+        holds."""
         e = self._engine
         same_host = self._same_host and strand
         held = []
-        for req in [r for r in e.pending if r._ep is self]:
+        if reqs is None:
+            reqs = [r for r in e.pending if r._ep is self]
+        for req in reqs:
             slot, keep = req._slot, req._keep
             if slot.status != INPROGRESS:
                 if reason is not None:
                     req._complete()
                 continue
-            held.append(slot)
+            held.append((req, slot))
             if same_host:
                 e.strand(slot, _held_bytes(keep))
             if reason is not None:
@@ -286,13 +292,14 @@ class Endpoint(Handle):
                 req._fail(peer_gone(req._what, reason, self._state.error))
         return held
 
-    def _parked_peer_died(self, reason: str) -> None:
+    def _parked_peer_died(self, reqs: list, reason: str) -> None:
         """The peer of this same-host endpoint, closed and parked with the
-        engine (:meth:`_park_busy`), died: its operations fail with
-        PeerError (their bytes were counted as stranded at the close)."""
+        engine (:meth:`_park_busy`) with requests ``reqs`` pending, died:
+        those fail with PeerError (their bytes were counted as stranded at
+        the close)."""
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
-        self._give_up_requests(reason, strand=False)
+        self._give_up_requests(reason, False, reqs)
 
     def check_peer(self) -> None:
         """Look at the peer process now, when it runs on this host (an
@@ -330,15 +337,16 @@ class Endpoint(Handle):
         held = self._give_up_requests(None)
         if not held:
             return False
+        reqs = [r for r, _ in held]
         # A worker of this process (no peer id): the engine watches this
         # process instead, which never dies but keeps the sweeps coming.
         me = _address.own_identity()
         pid, start = self._peer_id or (me.pid, me.start_time)
         self._engine.park_endpoint(
             self._h,
-            held,
+            [slot for _, slot in held],
             (pid, start, self._state),
-            self._parked_peer_died,
+            functools.partial(self._parked_peer_died, reqs),
             self._late_rkeys,
         )
         return True

@@ -231,16 +231,21 @@ class GpucxComm(Comm):
 
     def _check_peer(self) -> None:
         """Before posting frames over the data endpoint: raise
-        ``CommClosedError`` if the comm broke or the peer process is gone
+        ``CommClosedError`` if the peer process is gone
         (``Endpoint.check_peer``).  A frame still in a dead peer's memory
         cannot be fetched, and a rendezvous send to it would stay with UCX
-        (see ``Worker.stranded_bytes``)."""
-        if self._broken is None and self._dep is not self._ep:
+        (see ``Worker.stranded_bytes``).  A comm that broke otherwise goes
+        on: what had fully arrived is still delivered."""
+        dep = self._dep
+        if dep is self._ep:
+            return
+        if not self._dep_closed:
             try:
-                self._dep.check_peer()
+                dep.check_peer()
             except gpucx.UCXError as exc:
                 self._peer_failed(f"peer failed: {exc}")
-        if self._broken is not None:
+                raise CommClosedError(f"{self}: {self._broken}") from None
+        elif dep.error is not None:  # closed, then its peer was found dead
             raise CommClosedError(f"{self}: {self._broken}")
 
     async def _await_frame(self, req) -> None:
@@ -439,7 +444,10 @@ class GpucxComm(Comm):
                 await asyncio.wait_for(self._dep.aflush(), self._settings.close_timeout)
                 await req
                 self._close_sent = True
-        except (Exception, asyncio.TimeoutError):
+        except (gpucx.UCXError, asyncio.TimeoutError):
+            # The CLOSE could not go out or be flushed within close-timeout
+            # (the peer went away, the endpoint failed): the teardown
+            # below closes all the same.
             pass
         finally:
             self._teardown()
@@ -473,7 +481,7 @@ class GpucxComm(Comm):
             req = self._dep.send_nb(fr.close_message(), self._stag)
             if req.done() and req.exception() is None:
                 self._close_sent = True
-        except Exception:
+        except gpucx.UCXError:  # the endpoint went away: nobody to tell
             pass
 
     def abort(self) -> None:
@@ -505,7 +513,7 @@ class GpucxComm(Comm):
             self._released = True
             try:
                 self._lw.aw.driver.kick()
-            except Exception:
+            except Exception:  # the loop or the worker closed: nothing to wake
                 pass
             rt.release(self._lw)
 
@@ -769,7 +777,7 @@ class GpucxListener(BaseListener):
             lw.forget(ep.endpoint)
             try:
                 ep.close(force=True)
-            except Exception:
+            except Exception:  # already gone with its worker
                 pass
             if not isinstance(exc, asyncio.CancelledError):
                 logger.debug("gpucx handshake failed: %r", exc)
