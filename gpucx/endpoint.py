@@ -278,6 +278,8 @@ class Endpoint(Handle):
         held = []
         if reqs is None:
             reqs = [r for r in e.pending if r._ep is self]
+        else:  # those not settled meanwhile
+            reqs = [r for r in reqs if r in e.pending]
         for req in reqs:
             slot, keep = req._slot, req._keep
             if slot.status != INPROGRESS:
