@@ -4,8 +4,8 @@ Core objects (``Context``, ``Worker``, ``Endpoint``, ``RemoteKey``,
 ``MemoryRegion``, ``Request``) keep their UCX handles and bookkeeping in
 private attributes that belong to the module defining them.  Code in another
 layer that needs one of them (the benchmark package ``gpucx.bench``, which
-runs its timing loops in C on the core's handles; ``gpucx.dask`` and
-``gpucx.aio``, which wait through a worker's engine; the memory layer,
+runs its timing loops in C on the core's handles; ``gpucx.aio``, which
+waits through a worker's engine; the memory layer,
 which asks its endpoint's engine what is still in flight) goes through the
 functions here: each crossing has a name, a docstring and one place to
 change, and ``tests/test_layout.py`` checks that ``gpucx.bench`` touches no
