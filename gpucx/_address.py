@@ -4,7 +4,7 @@ UCX parses a worker address without knowing its length, trusts its body,
 and can crash on a corrupted one.  gpucx therefore appends a fixed-size
 trailer to the bytes ``ucp_worker_query`` returns::
 
-    UCX address | magic "GPCX" | version u8 | flags u8 | reserved u16 |
+    UCX address | magic "GPCX" | version u8 | flags u8 | node key u16 |
     UCX length u32 | pid u32 | pid-namespace inode u64 | start time u64 |
     boot id 16 bytes | crc32 u32
 
@@ -13,6 +13,11 @@ before it).  UCX ignores the trailing bytes, so a plain UCX program can use
 a gpucx address as it is.  :func:`parse` verifies the frame before any byte
 reaches UCX; the identity fields let a peer on the same host tell whether
 the process behind an address is still alive (see :mod:`gpucx._liveness`).
+The node key (once a reserved field, 0 from writers that predate it) is a
+16-bit hash of what UCX's shared-memory transports need in common besides
+the kernel: the host name and the IPC and mount namespaces.  Processes of
+one kernel in different containers (or emulated hosts) share the boot id
+and may share the pid namespace, but not these (:func:`same_node`).
 
 The checksum catches corruption, not a hostile peer: a crafted address with
 a valid checksum reaches UCX like any other.
@@ -43,6 +48,7 @@ class Identity(NamedTuple):
     start_time: int  # clock ticks after boot (/proc/<pid>/stat field 22)
     boot_id: bytes  # 16 bytes, /proc/sys/kernel/random/boot_id
     pidns: int  # inode of /proc/self/ns/pid (0 when unknown)
+    node_key: int = 0  # host name, IPC and mount namespaces (0: unknown)
 
 
 def proc_stat(pid: int | str = "self") -> list[bytes] | None:
@@ -78,8 +84,23 @@ def _pidns() -> int:
         return 0
 
 
+def _node_key() -> int:
+    """16 bits (never 0) of the host name and the IPC and mount namespace
+    inodes: what sets apart processes of one kernel in different
+    containers."""
+    parts = [os.uname().nodename]
+    for ns in ("ipc", "mnt"):
+        try:
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+        except OSError:
+            parts.append("?")
+    key = zlib.crc32("/".join(parts).encode())
+    return ((key >> 16) ^ key) & 0xFFFF or 1
+
+
 _boot = _boot_id()
 _ns = _pidns()
+_node = _node_key()
 _self: Identity | None = None
 _self_pid = 0
 
@@ -89,7 +110,7 @@ def own_identity() -> Identity:
     global _self, _self_pid
     pid = os.getpid()
     if _self is None or _self_pid != pid:
-        _self = Identity(pid, proc_start_time("self") or 0, _boot, _ns)
+        _self = Identity(pid, proc_start_time("self") or 0, _boot, _ns, _node)
         _self_pid = pid
     return _self
 
@@ -98,7 +119,15 @@ def frame(ucx: bytes) -> bytes:
     """Append this process's trailer to the UCX address ``ucx``."""
     me = own_identity()
     head = ucx + _FIELDS.pack(
-        MAGIC, VERSION, 0, 0, len(ucx), me.pid, me.pidns, me.start_time, me.boot_id
+        MAGIC,
+        VERSION,
+        0,
+        me.node_key,
+        len(ucx),
+        me.pid,
+        me.pidns,
+        me.start_time,
+        me.boot_id,
     )
     return head + _CRC.pack(zlib.crc32(head))
 
@@ -106,6 +135,14 @@ def frame(ucx: bytes) -> bytes:
 def is_local(ident: Identity) -> bool:
     """True when ``ident`` names a process of this host and pid namespace."""
     return ident.boot_id == _boot and ident.pidns == _ns and _boot != bytes(16)
+
+
+def same_node(ident: Identity) -> bool:
+    """True when ``ident`` names a process of this host and pid namespace
+    (:func:`is_local`) that also shares this process's host name and IPC
+    and mount namespaces, as far as its node key tells (a writer that did
+    not send one is taken to share them)."""
+    return is_local(ident) and ident.node_key in (0, _node)
 
 
 def parse(blob: bytes) -> tuple[bytes, Identity]:
@@ -124,7 +161,7 @@ def parse(blob: bytes) -> tuple[bytes, Identity]:
             f"address (the trailer alone has {TRAILER_LEN})"
         )
     t = n - TRAILER_LEN
-    magic, version, _flags, _rsv, ucx_len, pid, pidns, start, boot = (
+    magic, version, _flags, node, ucx_len, pid, pidns, start, boot = (
         _FIELDS.unpack_from(blob, t)
     )
     if magic != MAGIC:
@@ -149,4 +186,4 @@ def parse(blob: bytes) -> tuple[bytes, Identity]:
             "malformed worker address: checksum mismatch (the bytes were "
             "corrupted on the way)"
         )
-    return blob[:t], Identity(pid, start, boot, pidns)
+    return blob[:t], Identity(pid, start, boot, pidns, node)

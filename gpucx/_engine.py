@@ -5,7 +5,7 @@ parked), the liveness of peers on this host, and every wait.
 A :class:`~gpucx.Worker` holds one :class:`Engine` (``worker._engine``; an
 :class:`~gpucx.Endpoint` holds its worker's).  The layers above --
 ``gpucx.request``, ``gpucx.ops``, ``gpucx.mem``, ``gpucx.aio`` and, through
-:func:`gpucx._internal.engine`, ``gpucx.dask`` and ``gpucx.bench`` -- touch
+:func:`gpucx._internal.engine`, ``gpucx.bench`` -- touch
 progress and waiting only through the engine's attributes and methods
 documented here, never through the Worker's private fields
 (docs/layout.md, "The engine").
@@ -150,6 +150,12 @@ class Engine:
     parked_keys : list
         ``(ucp_rkey_h, slots)`` of remote keys closed while parked
         operations used them (:meth:`park_key`).
+    parked_eps : list
+        :class:`ParkedEndpoint` of same-host endpoints closed while UCX
+        still held operations on them (:meth:`park_endpoint`).
+    stranded : list
+        ``(slot, nbytes)`` of operations given up on same-host endpoints
+        (:meth:`strand`, :meth:`stranded_bytes`).
     suspects : WeakKeyDictionary
         Requests pending when gpucx force-closed a dead peer's endpoint:
         request -> (reason, until); see ``Endpoint._peer_died``.
@@ -183,6 +189,8 @@ class Engine:
         "sweep_at",
         "parked",
         "parked_keys",
+        "parked_eps",
+        "stranded",
         "suspects",
         "watched",
         "pidfds",
@@ -233,6 +241,11 @@ class Engine:
         # Remote keys closed while parked operations held them:
         # (ucp_rkey_h, their slots), freed once UCX let go of those.
         self.parked_keys: list = []
+        # Same-host endpoints closed with operations pending (ParkedEndpoint,
+        # closed by sweep_endpoints once idle), and (slot, nbytes) of the
+        # operations given up on same-host endpoints (stranded_bytes).
+        self.parked_eps: list = []
+        self.stranded: list = []
         self.suspects: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # Liveness of peers on this host (gpucx._liveness): endpoint ->
         # (pid, start time, its C state, what to do when it dies), checked
@@ -350,15 +363,13 @@ class Engine:
         ]
         return reqs, slots
 
-    def busy_endpoints(self) -> set:
-        """The endpoints with operations UCX still holds (pending requests
-        tied to an endpoint)."""
-        return {r._ep for r in self.pending if r._slot.status == INPROGRESS}
-
     def sweep_parked(self) -> None:
         """Free parked slots UCX has let go of (their buffers go with them),
         and the remote keys closed while such operations held them, once UCX
-        let go of every one (before their slots are released)."""
+        let go of every one (before their slots are released); and close
+        the parked same-host endpoints that became idle."""
+        if self.parked_eps:
+            self.sweep_endpoints()
         if self.parked_keys:
             self.free_parked_keys()
         parked = self.parked
@@ -383,6 +394,68 @@ class Engine:
             elif not closing:
                 left.append((rkey_h, slots))
         self.parked_keys[:] = left
+
+    # -- same-host endpoints: strands, park and sweep -------------------------
+
+    def strand(self, slot, nbytes: int) -> None:
+        """Count ``nbytes`` held by an operation given up on a same-host
+        endpoint (closed with it pending, or its peer died) while UCX still
+        holds it (``slot`` pending): :meth:`stranded_bytes`."""
+        if slot.status == INPROGRESS:
+            self.stranded.append((slot, nbytes))
+
+    def stranded_bytes(self) -> int:
+        """Bytes held by operations given up on same-host endpoints that UCX
+        has not let go of (0 once the worker closed)."""
+        if self.h is None:
+            return 0
+        left = [s for s in self.stranded if s[0].status == INPROGRESS]
+        self.stranded[:] = left
+        return sum(n for _, n in left)
+
+    def park_endpoint(self, ep_h, slots, peer, on_death, rkeys=()) -> None:
+        """Take over a same-host endpoint closed while UCX held operations on
+        it: ``ep_h`` (its UCX endpoint), ``slots`` (those operations').
+        UCX forbids a force close of an endpoint without peer error
+        handling, so it is flush-closed once none of ``slots`` is pending
+        (:meth:`sweep_endpoints`, run with :meth:`sweep_parked`).  Its peer
+        (``peer``: pid, start time, the endpoint's C state; this process's
+        own for a worker of this process) stays watched meanwhile: its
+        death calls ``on_death(reason)`` (fails the operations) and leaves
+        the UCX endpoint to the worker's destruction.  ``rkeys``: the
+        remote keys closed under the endpoint's operations, freed with
+        them."""
+        rec = ParkedEndpoint(ep_h, slots, on_death)
+        self.parked_eps.append(rec)
+        for rkey_h in rkeys:
+            self.park_key(rkey_h, slots)
+        # Watched also for the sweeps: the liveness check runs them.
+        _live.watch(self, rec, peer[0], peer[1], peer[2], rec.peer_died)
+
+    def sweep_endpoints(self) -> None:
+        """Flush-close the parked same-host endpoints whose operations UCX
+        let go of; forget those whose peer died (the worker's destruction
+        frees them: UCX closes no such endpoint while it holds a send)."""
+        if self.h is None:
+            return
+        if self.parked_keys:  # the keys go before their endpoint does
+            self.free_parked_keys()
+        left = []
+        for rec in self.parked_eps:
+            if rec.dead:
+                continue
+            if any(s.status == INPROGRESS for s in rec.slots):
+                left.append(rec)
+                continue
+            rec.closed = True
+            _live.unwatch(self, rec)
+            slot = new_slot()
+            if lib.gpucx_ep_close(rec.h, 0, slot) == INPROGRESS:
+                self.park(slot)
+            else:
+                _slot_release(slot)
+            rec.h = None
+        self.parked_eps[:] = left
 
     # -- progress -------------------------------------------------------------
 
@@ -570,8 +643,16 @@ class Engine:
                 st = self._spin_due(slot, self.spin_ns, deadline)
             while st == INPROGRESS:
                 self.poll_events()
-                if ep is not None and ep.closed and slot.status == INPROGRESS:
-                    raise_closed(ep)  # the peer died: PeerError
+                if (
+                    ep is not None
+                    and ep.closed
+                    and slot.status == INPROGRESS
+                    and ep.error is not None
+                ):
+                    # The peer died: PeerError.  (A same-host endpoint
+                    # closed with this operation pending has no error: UCX
+                    # still does it, Engine.park_endpoint.)
+                    raise_closed(ep)
                 ms = slice_ms(deadline, timeout, "operation did not complete")
                 st = lib.gpucx_wait_sleep(self.h, self.efd, self.pfd, slot, ms)
                 if st == _PEER_EXITED:
@@ -824,6 +905,28 @@ class Engine:
         self.h = None
         if self in self.siblings:
             self.siblings.remove(self)
+
+
+class ParkedEndpoint:
+    """A same-host endpoint the engine closes once idle
+    (:meth:`Engine.park_endpoint`).  Watched for its peer's liveness in
+    place of the closed :class:`~gpucx.Endpoint` (``closed`` is what the
+    liveness check reads)."""
+
+    __slots__ = ("h", "slots", "on_death", "closed", "dead", "__weakref__")
+
+    def __init__(self, h, slots, on_death):
+        self.h = h
+        self.slots = slots
+        self.on_death = on_death
+        self.closed = False
+        self.dead = False
+
+    def peer_died(self, reason: str) -> None:
+        """The liveness check found the peer dead: fail the operations."""
+        self.dead = True
+        self.closed = True
+        self.on_death(reason)
 
 
 def _no_endpoint(ep_h, borrow: bool):

@@ -4,8 +4,8 @@ Core objects (``Context``, ``Worker``, ``Endpoint``, ``RemoteKey``,
 ``MemoryRegion``, ``Request``) keep their UCX handles and bookkeeping in
 private attributes that belong to the module defining them.  Code in another
 layer that needs one of them (the benchmark package ``gpucx.bench``, which
-runs its timing loops in C on the core's handles; ``gpucx.dask`` and
-``gpucx.aio``, which wait through a worker's engine; the memory layer,
+runs its timing loops in C on the core's handles; ``gpucx.aio``, which
+waits through a worker's engine; the memory layer,
 which asks its endpoint's engine what is still in flight) goes through the
 functions here: each crossing has a name, a docstring and one place to
 change, and ``tests/test_layout.py`` checks that ``gpucx.bench`` touches no
@@ -30,8 +30,6 @@ __all__ = [
     "am_recv_registration",
     "abandon",
     "defer_to_closing",
-    "fail_dead_peer",
-    "watch_peer",
 ]
 
 
@@ -93,20 +91,3 @@ def defer_to_closing(ep: Any, rkey: Any) -> bool:
         return False
     ep._late_rkeys.append(rkey)
     return True
-
-
-def fail_dead_peer(ep: Any, reason: str) -> None:
-    """Fail ``ep`` as gpucx's liveness check does when it finds the peer
-    process dead (``Endpoint._peer_died``): for an integration that learns
-    of the death first (``gpucx.dask``'s data endpoints, which have no UCX
-    error handling).  Does nothing to an endpoint already closed."""
-    if not ep.closed:
-        ep._peer_died(reason)
-
-
-def watch_peer(ep: Any, pid: int, start_time: int) -> None:
-    """Have ``ep``'s engine check its peer, process ``pid`` of this host
-    started at ``start_time``, as for an endpoint connected to a gpucx
-    worker address (its death fails ``ep``): for an integration that learns
-    the peer's identity itself (``gpucx.dask``'s handshake)."""
-    ep._watch(pid, start_time)

@@ -112,6 +112,10 @@ GPUCX_OPTIONS: dict[str, float] = {
     # docs/reliability.md "Deadlines and the buffer".  Also read from the
     # environment.
     "ON_TIMEOUT": 0.0,
+    # Bytes that operations given up on same-host endpoints may hold while
+    # UCX keeps them (0 = no limit); past it, connect(mode="same-host")
+    # refuses (Worker.stranded_bytes, docs/guide.md "Endpoint modes").
+    "MAX_STRANDED_BYTES": float(512 * _MiB),
 }
 #: The values of ``GPUCX_ON_TIMEOUT`` (and of every ``on_timeout=``), by
 #: their number in :data:`GPUCX_OPTIONS`.
@@ -131,6 +135,7 @@ GPUCX_INTEGER_OPTIONS = frozenset(
         "CUDA_IPC_RMA",
         "STAGING_BYTES",
         "ON_TIMEOUT",
+        "MAX_STRANDED_BYTES",
     }
 )
 #: gpucx options also read from the environment (``GPUCX_<NAME>``); a

@@ -71,7 +71,10 @@ class Context(Handle):
         ``recv_array`` of this context's workers accepts; default 4 GiB,
         0 = no limit), the caps of the queues a peer can fill
         (``GPUCX_AM_KEPT_MAX_COUNT`` and the others listed in
-        docs/reliability.md, "Bounded queues") and ``GPUCX_PEER_TIMEOUT``
+        docs/reliability.md, "Bounded queues"), ``GPUCX_MAX_STRANDED_BYTES``
+        (what operations given up on same-host endpoints may hold before
+        ``connect(mode="same-host")`` refuses; default 512 MiB, 0 = no
+        limit; see the guide's "Endpoint modes") and ``GPUCX_PEER_TIMEOUT``
         (seconds within which a peer on another host that stops answering
         fails the operations pending on it, default 10, 0 = UCX's own
         timeouts; also read from the environment; gpucx sets the UCX
@@ -142,6 +145,10 @@ class Context(Handle):
         #: of every endpoint's :attr:`Endpoint.on_timeout`.
         self.on_timeout = _config.ON_TIMEOUT_MODES[int(own["ON_TIMEOUT"])]
         self._peer_interval = own["PEER_CHECK_INTERVAL"]
+        #: ``GPUCX_MAX_STRANDED_BYTES``: bytes that operations given up on
+        #: same-host endpoints may hold before ``connect(mode="same-host")``
+        #: refuses (0 = no limit; :attr:`gpucx.Worker.stranded_bytes`).
+        self.max_stranded_bytes = int(own["MAX_STRANDED_BYTES"])
         self._spin_ns = int(own["SPIN_US"] * 1000)
         #: gpucx's own same-host path for put/get on CUDA regions (ops.ipc).
         self._cuda_ipc_rma = bool(own["CUDA_IPC_RMA"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -10,11 +11,12 @@ from . import protocols as _protocols
 from ._engine import INPROGRESS, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
 from ._lib import ffi, lib
-from ._liveness import SUSPECT_S
+from ._liveness import SUSPECT_S, proc_alive
 from .config import on_timeout_mode
 from .errors import (
     InvalidAddressError,
     UCXError,
+    UnsupportedError,
     check,
     ep_create_error,
     peer_error_for,
@@ -51,6 +53,11 @@ class Endpoint(Handle):
     _peer_mode = True
     #: Connected by ``(host, port)`` (UCX client/server wireup).
     _sockaddr = False
+    #: ``mode="same-host"``: no UCX peer error handling, gpucx's liveness
+    #: check, strands counted, closed by the engine once idle.
+    _same_host = False
+    #: (pid, start time) of a watched peer process on this host, or None.
+    _peer_id: tuple[int, int] | None = None
     #: Bits of the (operation, memory type) combinations whose protocol
     #: gpucx checked for a slow path (protocols.first_use).
     _proto_seen = 0
@@ -77,9 +84,19 @@ class Endpoint(Handle):
             _am.set_internal_handler(self._engine, ABORT_AM_ID, _on_abort)
 
     @classmethod
-    def _connect(cls, worker, address, error_handling: bool, raw: bool = False):
+    def _connect(
+        cls,
+        worker,
+        address,
+        error_handling: bool | None,
+        raw: bool = False,
+        ep_mode: str | None = None,
+    ):
         if worker._h is None:
             raise_closed(worker)
+        same_host = _same_host_mode(ep_mode, address, error_handling, raw)
+        if error_handling is None:
+            error_handling = not same_host
         wstate = worker._engine.state
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
@@ -88,6 +105,8 @@ class Endpoint(Handle):
             blob = bytes(address)
             if not raw:
                 blob, ident = _address.parse(blob)
+            if same_host:
+                _refuse_same_host(worker._engine, ident)
             _check_worker_address(blob, worker.ucx_address)
             # UCX parses addresses without a length: a truncated blob makes it
             # read past the end.  Hand it a zero-padded copy so such reads stay
@@ -96,6 +115,8 @@ class Endpoint(Handle):
             ffi.memmove(padded, blob, len(blob))
             st = lib.gpucx_ep_create_address(wstate, padded, mode, state)
             peer = f"worker address ({len(blob)} bytes)"
+            if ident is not None and _watched(ident):
+                peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
         elif isinstance(address, tuple) and len(address) == 2:
             host, port = address
             if not isinstance(host, str) or not isinstance(port, int):
@@ -113,12 +134,17 @@ class Endpoint(Handle):
         if exc is not None:
             raise exc
         ep = cls(worker, state, peer)
-        ep._peer_mode = error_handling
-        ep._sockaddr = isinstance(address, tuple)
-        if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
-            ep.peer = f"process {ident.pid} ({len(blob)}-byte worker address)"
-            ep._watch(ident.pid, ident.start_time)
+        ep._connected(error_handling, isinstance(address, tuple), same_host, ident)
         return ep
+
+    def _connected(self, error_handling: bool, sockaddr: bool, same_host: bool, ident):
+        """Record how :meth:`_connect` made this endpoint; watch its peer
+        when ``ident`` (a framed address's) names a process of this host."""
+        self._peer_mode = error_handling
+        self._sockaddr = sockaddr
+        self._same_host = same_host
+        if ident is not None and _watched(ident):
+            self._watch(ident.pid, ident.start_time)
 
     @classmethod
     def _accept(cls, worker, conn_request, peer: str, error_handling: bool = True):
@@ -187,6 +213,7 @@ class Endpoint(Handle):
         """Have the engine check the peer, process ``pid`` of this host
         started at ``start_time``, from now on (gpucx._liveness): its death
         fails this endpoint (:meth:`_peer_died`)."""
+        self._peer_id = (pid, start_time)
         self._engine.watch(self, pid, start_time, self._state, self._peer_died)
 
     def _peer_died(self, reason: str) -> None:
@@ -232,12 +259,7 @@ class Endpoint(Handle):
         # Atomics gpucx emulates over active messages wait for a reply UCX
         # knows nothing of: they fail with the peer's death now.
         lib.gpucx_amo_ep_closed(e.state, h, self._state.error)
-        for req in [r for r in e.pending if r._ep is self]:
-            if req._slot.status != INPROGRESS:
-                req._complete()
-            else:
-                e.park(req._slot, req._keep, req._holds)
-                req._fail(peer_gone(req._what, reason, self._state.error))
+        self._give_up_requests(reason)
         # The endpoint's children (unpacked remote keys) must go before the
         # UCX endpoint and worker do; a later close() of the endpoint finds
         # no UCX handle and would not reach them.
@@ -251,6 +273,96 @@ class Endpoint(Handle):
         deadline."""
         self._deadline = self._w._deadline
         self._close_children()
+
+    def _give_up_requests(
+        self, reason: str | None, strand: bool = True, reqs: list | None = None
+    ) -> list:
+        """This endpoint's requests (or ``reqs``) that UCX still holds are
+        given up: on a same-host endpoint their bytes count as stranded
+        (:meth:`gpucx._engine.Engine.strand`) unless ``strand`` is False
+        (counted already).  With ``reason`` (the peer died) each is parked
+        with its buffers and fails with PeerError, and those already
+        finished complete.  Returns ``(request, slot)`` of those UCX
+        holds."""
+        e = self._engine
+        same_host = self._same_host and strand
+        held = []
+        if reqs is None:
+            reqs = [r for r in e.pending if r._ep is self]
+        else:  # those not settled meanwhile
+            reqs = [r for r in reqs if r in e.pending]
+        for req in reqs:
+            slot, keep = req._slot, req._keep
+            if slot.status != INPROGRESS:
+                if reason is not None:
+                    req._complete()
+                continue
+            held.append((req, slot))
+            if same_host:
+                e.strand(slot, _held_bytes(keep))
+            if reason is not None:
+                e.park(slot, keep, req._holds)
+                req._fail(peer_gone(req._what, reason, self._state.error))
+        return held
+
+    def _parked_peer_died(self, reqs: list, reason: str) -> None:
+        """The peer of this same-host endpoint, closed and parked with the
+        engine (:meth:`_park_busy`) with requests ``reqs`` pending, died:
+        those fail with PeerError (their bytes were counted as stranded at
+        the close)."""
+        self._state.error = lib.UCS_ERR_CONNECTION_RESET
+        self._error_reason = reason
+        self._give_up_requests(reason, False, reqs)
+
+    def check_peer(self) -> None:
+        """Look at the peer process now, when it runs on this host (an
+        endpoint made from a gpucx worker address: a ``select`` of its
+        pidfd, else a read of ``/proc``); if it died, fail this endpoint as
+        the periodic liveness check would, and raise.
+
+        Cheap enough to call before posting a large message on a
+        ``mode="same-host"`` endpoint: UCX never reports such a peer's
+        death, and a rendezvous send to it stays with UCX for good.
+
+        Raises
+        ------
+        gpucx.PeerError
+            If the peer died (now or before).
+        gpucx.ClosedError
+            If the endpoint was closed here.
+        """
+        if self._h is not None:
+            self._engine.check_peer(self)
+        if self._h is None:
+            raise_closed(self)
+        exc = self.error
+        if exc is not None:
+            raise exc
+
+    def _park_busy(self) -> bool:
+        """Close step of a same-host endpoint whose peer lives: True when UCX
+        still holds operations on it, which are then stranded and the
+        endpoint parked with the engine (closed once they are done,
+        :meth:`gpucx._engine.Engine.park_endpoint`); False when it is idle
+        (the caller's flush close then finishes at once)."""
+        # Its requests, not an endpoint flush: UCX completes a flush while a
+        # rendezvous send still waits for the peer to fetch it.
+        held = self._give_up_requests(None)
+        if not held:
+            return False
+        reqs = [r for r, _ in held]
+        # A worker of this process (no peer id): the engine watches this
+        # process instead, which never dies but keeps the sweeps coming.
+        me = _address.own_identity()
+        pid, start = self._peer_id or (me.pid, me.start_time)
+        self._engine.park_endpoint(
+            self._h,
+            [slot for _, slot in held],
+            (pid, start, self._state),
+            functools.partial(self._parked_peer_died, reqs),
+            self._late_rkeys,
+        )
+        return True
 
     def _failure_hint(self) -> str:
         """What to check when UCX failed a ``(host, port)`` connection."""
@@ -529,6 +641,14 @@ class Endpoint(Handle):
         operations fail with :class:`~gpucx.CanceledError`, nothing is
         flushed.  An endpoint whose peer failed is always force-closed.
 
+        A ``mode="same-host"`` endpoint is never force-closed (UCX forbids
+        it without peer error handling) and its close does not wait: with
+        operations still in UCX's hands it is closed here at once (later
+        use raises ``ClosedError``), their bytes count in
+        :attr:`Worker.stranded_bytes`, and the worker flush-closes the UCX
+        endpoint once they are done; if the peer dies meanwhile they fail
+        with :class:`~gpucx.PeerError`.  ``force`` is ignored there.
+
         Raises
         ------
         ValueError
@@ -536,6 +656,14 @@ class Endpoint(Handle):
         """
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0, not {timeout}")
+        if self._same_host and self._h is not None:
+            # UCX forbids a force close without peer error handling (it
+            # returns INVALID_PARAM, ucp_ep_close_nbx): such an endpoint is
+            # flush-closed, by the engine once idle (_release).  A peer that
+            # died fails it now instead (the UCX endpoint goes with the
+            # worker).
+            force = False
+            self._engine.check_peer(self)
         self._force = force
         if self._h is not None:
             self._closing = True
@@ -551,6 +679,8 @@ class Endpoint(Handle):
         deadline = self._deadline
         alive = e.peer_alive(self)
         e.unwatch(self)
+        if self._same_host and alive and self._park_busy():
+            return  # the engine closes it once UCX let go of its operations
         force = (
             getattr(self, "_force", False)
             or self._state.error != lib.UCS_OK
@@ -664,4 +794,99 @@ _DIRECT_ACCESS = ("cma", "knem", "xpmem", "cuda_ipc", "rocm_ipc", "dc")
 _SHMEM_SEGMENT = lib.UCS_ERR_SHMEM_SEGMENT
 
 _ADDRESS_VERSION_MASK = 0x0F
+_IOV = ffi.typeof("ucp_dt_iov_t")
 _ADDRESS_PAD = 4096
+
+
+def _same_host_mode(mode, address, error_handling, raw) -> bool:
+    """Whether ``connect(..., mode=mode)`` asks for a same-host endpoint.
+
+    Raises
+    ------
+    ValueError
+        For an unknown mode, or one that cannot go with the other arguments.
+    """
+    if mode is None:
+        return False
+    if mode != "same-host":
+        raise ValueError(f"mode must be None or 'same-host', not {mode!r}")
+    if error_handling:
+        raise ValueError(
+            "mode='same-host' is an endpoint without UCX peer error handling: "
+            "leave error_handling out"
+        )
+    if raw or not isinstance(address, (bytes, bytearray, memoryview)):
+        raise ValueError(
+            "mode='same-host' needs a gpucx worker address (bytes, not raw=True "
+            "and not (host, port)): its trailer names the peer process"
+        )
+    return True
+
+
+def _refuse_same_host(engine, ident) -> None:
+    """Refuse a same-host endpoint that gpucx could not look after.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        When the peer runs on another host or in another pid namespace,
+        when gpucx's liveness checks are off, or when operations given up
+        on same-host endpoints hold ``GPUCX_MAX_STRANDED_BYTES`` already.
+    gpucx.PeerError
+        When the peer process is gone.
+    """
+    if not _address.is_local(ident):
+        raise UnsupportedError(
+            f"mode='same-host': the peer process {ident.pid} does not run on "
+            "this host (another boot id or pid namespace); connect without a "
+            "mode (UCX peer error handling) to reach it"
+        )
+    if not _address.same_node(ident):
+        raise UnsupportedError(
+            f"mode='same-host': the peer process {ident.pid} runs on this "
+            "kernel but under another host name or in other IPC or mount "
+            "namespaces (a container, an emulated host), where UCX's shared "
+            "memory does not reach; connect without a mode to reach it"
+        )
+    if engine.peer_interval <= 0:
+        raise UnsupportedError(
+            "mode='same-host' relies on gpucx's liveness checks, which "
+            "GPUCX_PEER_CHECK_INTERVAL=0 turned off"
+        )
+    if ident.pid != os.getpid() and not proc_alive(ident.pid, ident.start_time):
+        raise peer_gone("mode='same-host' connect", f"peer process {ident.pid} is gone")
+    cap = engine.context.max_stranded_bytes
+    if cap:
+        held = engine.stranded_bytes()
+        if held >= cap:
+            raise UnsupportedError(
+                f"mode='same-host': operations given up on same-host endpoints "
+                f"hold {held} bytes (GPUCX_MAX_STRANDED_BYTES={cap}); UCX keeps "
+                "them until their peers take them or this worker closes; "
+                "connect without a mode meanwhile"
+            )
+
+
+def _watched(ident) -> bool:
+    """Whether a peer of identity ``ident`` gets gpucx's liveness checks:
+    another process of this host and pid namespace."""
+    return ident.pid != os.getpid() and _address.is_local(ident)
+
+
+def _held_bytes(keep) -> int:
+    """Bytes of the buffers an operation holds (its ``keep``, as the
+    operations build it): a cffi ``char[]`` of a buffer-protocol object, an
+    IOV list (its ``ucp_dt_iov_t`` array first), or the object that owns
+    the memory (``nbytes`` of NumPy, CuPy and the like).  Best effort:
+    what it cannot size counts 0."""
+    if isinstance(keep, ffi.CData):
+        t = ffi.typeof(keep)
+        if t.kind == "array" and t.item is _IOV:
+            return sum(int(keep[i].length) for i in range(len(keep)))
+        return ffi.sizeof(keep) if t.kind == "array" else 0
+    if isinstance(keep, list) and keep and isinstance(keep[0], ffi.CData):
+        return _held_bytes(keep[0])
+    if isinstance(keep, (list, tuple)):
+        return sum(_held_bytes(k) for k in keep)
+    n = getattr(keep, "nbytes", None)
+    return n if isinstance(n, int) else 0

@@ -186,7 +186,14 @@ class Worker(Handle):
 
     # -- endpoints ----------------------------------------------------------
 
-    def connect(self, address, *, error_handling: bool = True, raw: bool = False):
+    def connect(
+        self,
+        address,
+        *,
+        error_handling: bool | None = None,
+        raw: bool = False,
+        mode: str | None = None,
+    ):
         """Create an :class:`~gpucx.Endpoint` to a peer.
 
         The call returns at once, as in UCX; an unreachable peer is reported
@@ -198,12 +205,25 @@ class Worker(Handle):
             A peer worker's :attr:`address`, or the ``(host, port)`` of a
             peer's :class:`~gpucx.Listener`.
         error_handling : bool
-            Peer error-handling mode (default): a dead peer fails pending
-            operations with :class:`~gpucx.PeerError` instead of hanging.
+            Peer error-handling mode (default True): a dead peer fails
+            pending operations with :class:`~gpucx.PeerError` instead of
+            hanging.
         raw : bool
             ``address`` is a bare UCX worker address (from a program that
             does not use gpucx, or :attr:`ucx_address`): it has no gpucx
             trailer to verify, and its peer gets no liveness checks.
+        mode : None or "same-host"
+            ``"same-host"``: an endpoint to a process on this host without
+            UCX peer error handling, so that UCX may move large messages
+            with single-copy ``cma`` (it leaves ``cma`` out of endpoints
+            with error handling), looked after by gpucx instead: the peer
+            process is watched (its death fails pending operations with
+            ``PeerError``), a close with operations pending does not wait
+            (the worker closes the UCX endpoint once they are done), and
+            what such operations hold when given up counts in
+            :attr:`stranded_bytes`, capped by the context's
+            ``GPUCX_MAX_STRANDED_BYTES``.  ``address`` must be a gpucx
+            worker address; docs/guide.md, "Endpoint modes".
 
         Raises
         ------
@@ -213,10 +233,31 @@ class Worker(Handle):
             unresolvable host.
         TypeError
             If ``address`` is neither bytes nor a ``(host, port)`` pair.
+        ValueError
+            For an unknown ``mode``, or ``mode="same-host"`` with
+            ``error_handling=True``, ``raw=True`` or a ``(host, port)``.
+        gpucx.UnsupportedError
+            ``mode="same-host"`` refused: the peer runs on another host (or
+            pid namespace), the liveness checks are off
+            (``GPUCX_PEER_CHECK_INTERVAL=0``), or :attr:`stranded_bytes`
+            reached ``GPUCX_MAX_STRANDED_BYTES``.
+        gpucx.PeerError
+            ``mode="same-host"``: the peer process is gone.
         """
         from .endpoint import Endpoint
 
-        return Endpoint._connect(self, address, error_handling, raw)
+        return Endpoint._connect(self, address, error_handling, raw, mode)
+
+    @property
+    def stranded_bytes(self) -> int:
+        """Bytes held by operations given up on this worker's
+        ``mode="same-host"`` endpoints (still in UCX's hands when their
+        endpoint was closed or their peer died) that UCX has not let go
+        of: UCX cancels no send and closes no such endpoint while it holds
+        one, so a send whose peer died stays until the worker closes.  Past
+        the context's ``GPUCX_MAX_STRANDED_BYTES``, ``connect(...,
+        mode="same-host")`` refuses.  0 once the worker closed."""
+        return self._engine.stranded_bytes()
 
     def listen(self, port: int = 0, host: str = "0.0.0.0"):
         """Accept connections on ``host:port`` (0 = any free port).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 
 def comm_server(tls, ch, mode):
@@ -48,10 +47,6 @@ def comm_server(tls, ch, mode):
 
     with dask.config.set({"distributed-gpucx.tls": tls}):
         asyncio.run(main())
-
-
-def sleeper():
-    time.sleep(3600)
 
 
 #: Sizes the fake device allocator was asked for (test double for CuPy/RMM).

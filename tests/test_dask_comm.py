@@ -32,7 +32,7 @@ from gpucx.dask import _runtime as rt  # noqa: E402
 from gpucx.request import INPROGRESS  # noqa: E402
 
 from conftest import channel_pair, spawn  # noqa: E402
-from peers_dask import comm_server, sleeper  # noqa: E402
+from peers_dask import comm_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -476,13 +476,14 @@ async def test_a_dead_peers_unread_frame_is_not_received(tls, pidfd, monkeypatch
 
         monkeypatch.setattr(os, "pidfd_open", no_pidfd)
     async with comm_to_peer(tls, "write-pending") as (comm, proc):
-        assert (comm._peer.fd >= 0) == pidfd
+        dep = comm._dep.endpoint
+        assert (comm._w._engine.pidfds[dep] >= 0) == pidfd
         await _dead_peer_with_a_message_on_its_way(comm, proc)
         lw = comm._lw
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 10)
         assert _held(lw) == []
-        assert lw.stranded_bytes() == 0
+        assert lw.w.stranded_bytes == 0
         await comm.close()
 
 
@@ -491,9 +492,10 @@ async def test_a_send_cut_short_by_the_peers_death_is_counted_and_limited(caplog
     """A 64 MiB frame the peer had not fetched when it died stays with UCX
     (the data endpoint has no peer error handling, and UCX neither cancels
     a send nor force-closes such an endpoint): the write fails, the frame
-    counts against ``max-stranded-bytes``, past it new comms of the loop get
-    no data endpoint (one warning), and the frame is freed when the loop's
-    last comm closes its worker."""
+    counts in the worker's ``stranded_bytes`` against ``max-stranded-bytes``
+    (``GPUCX_MAX_STRANDED_BYTES`` of the comm's context), past it new comms
+    of the loop get no data endpoint (one warning), and the frame is freed
+    when the loop's last comm closes its worker."""
     tls = "sm,tcp"
     big = np.ones(64 << 20, "u1")
     freed = weakref.ref(big)
@@ -511,52 +513,20 @@ async def test_a_send_cut_short_by_the_peers_death_is_counted_and_limited(caplog
                 with pytest.raises(CommClosedError):
                     await asyncio.wait_for(writer, 10)
                 del writer
-            assert lw.w._h is not None
-            assert lw.stranded_bytes() == 64 << 20
+            assert not lw.w.closed
+            assert lw.ctx.max_stranded_bytes == 32 << 20
+            assert lw.w.stranded_bytes == 64 << 20
             assert freed() is not None
-            s = rt.settings()
-            assert not rt.data_endpoints_allowed(lw, s)
-            assert rt.data_endpoints_allowed(lw, s._replace(max_stranded=0))  # none
-            async with comm_to_peer(tls, "silent") as (other, _):
-                assert other._lw is lw
-                assert other._dep is other._ep  # the connection's endpoint only
-                assert other._peer is None
-                await other.close()
+            for _ in range(2):  # refused twice, one warning
+                async with comm_to_peer(tls, "silent") as (other, _):
+                    assert other._lw is lw
+                    assert other._dep is other._ep  # the connection's endpoint
+                    await other.close()
             await keep.close()
     assert caplog.text.count("max-stranded-bytes") == 1
-    assert lw.w._h is None and lw.stranded == []  # the worker closed
+    assert lw.w.closed and lw.w.stranded_bytes == 0  # the worker closed
     gc.collect()
     assert freed() is None
-
-
-@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "proc"])
-def test_peer_process_liveness(pidfd, monkeypatch):
-    from gpucx._address import proc_start_time
-
-    if not pidfd:
-
-        def no_pidfd(pid):
-            raise OSError(38, "pidfd_open not implemented")
-
-        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
-    child = spawn(sleeper)
-    try:
-        start = proc_start_time(child.pid)
-        peer = rt.PeerProcess(child.pid, start)
-        assert (peer.fd >= 0) == pidfd
-        assert peer.alive()
-        assert not rt.PeerProcess(child.pid, start + 1).alive()  # another process
-        child.kill()
-        end = time.monotonic() + 10
-        while peer.alive() and time.monotonic() < end:
-            time.sleep(0.01)
-        assert not peer.alive()
-        peer.close()
-        assert peer.fd == -1 and not peer.alive()
-    finally:
-        child.kill()
-        child.join(10)
-    assert not rt.PeerProcess(child.pid, start).alive()  # reaped
 
 
 def test_env_is_not_written(monkeypatch):
@@ -582,11 +552,5 @@ async def test_peer_process_closing_cleanly_delivers_everything_first(tls):
         with pytest.raises(CommClosedError):
             await asyncio.wait_for(comm.read(), 10)
         assert dep.error is None
-        lw = comm._lw
         await comm.close()
-        for _ in range(50):
-            if dep._h is None:
-                break
-            rt.sweep_parked(lw)
-            await asyncio.sleep(0.05)
-        assert dep._h is None and dep.error is None
+        assert dep.closed and dep.error is None

@@ -98,6 +98,16 @@ def test_ucx_options_go_to_the_context_not_the_environment(monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_max_stranded_bytes_is_the_contexts_cap():
+    """``max-stranded-bytes`` is what the comm's context refuses same-host
+    data endpoints past (``GPUCX_MAX_STRANDED_BYTES``)."""
+    assert rt.context_config()["GPUCX_MAX_STRANDED_BYTES"] == 512 << 20
+    with dask.config.set({"distributed-gpucx.max-stranded-bytes": "3 MiB"}):
+        cfg = rt.context_config()
+        assert cfg["GPUCX_MAX_STRANDED_BYTES"] == 3 << 20
+        assert rt.context().max_stranded_bytes == 3 << 20
+
+
 def test_peer_timeout_reaches_the_context(monkeypatch):
     """``peer-timeout`` is the comm context's GPUCX_PEER_TIMEOUT (which maps
     onto UCX's keepalive and TCP options); null leaves gpucx's default."""

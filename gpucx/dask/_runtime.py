@@ -14,7 +14,6 @@ import errno
 import importlib
 import logging
 import os
-import select
 import socket
 import struct
 import warnings
@@ -25,9 +24,6 @@ from dask.utils import parse_bytes, parse_timedelta
 
 import gpucx
 import gpucx.aio
-from gpucx import _internal
-from gpucx._internal import engine
-from gpucx.request import in_flight
 
 from ._buffers import ReceiveCache
 from ._framing import ENTRY, HEADER, Limits
@@ -205,6 +201,9 @@ def context_config() -> dict[str, Any]:
         # does with SO_REUSEADDR.
         out.setdefault("CM_REUSEADDR", "y")
     out["GPUCX_PEER_CHECK_INTERVAL"] = float(cfg["peer-check-interval"])
+    # What sends given up on data endpoints (mode="same-host") may hold
+    # before the worker refuses new ones (Worker.stranded_bytes).
+    out["GPUCX_MAX_STRANDED_BYTES"] = parse_bytes(cfg["max-stranded-bytes"])
     timeout = cfg.get("peer-timeout")
     if timeout is not None:
         # None: GPUCX_PEER_TIMEOUT from the environment, else gpucx's default.
@@ -273,11 +272,10 @@ class LoopWorker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, progress: str, spin_us: float):
         self.loop = loop
-        self.aw = gpucx.aio.Worker(context(), progress=progress, spin_us=spin_us)
+        self.ctx = context()
+        self.aw = gpucx.aio.Worker(self.ctx, progress=progress, spin_us=spin_us)
         self.w = self.aw.worker
         self.refs = 0
-        self.parked: list = []  # data endpoints closed once idle
-        self.stranded: list = []  # (request, nbytes) of operations given up
         self.stranded_warned = False
         self._early: dict = {}  # Endpoint -> HELLO bytes
         self._waiting: dict = {}  # Endpoint -> Future
@@ -314,20 +312,8 @@ class LoopWorker:
         if fut is not None and not fut.done():
             fut.cancel()
 
-    def strand(self, req, nbytes: int) -> None:
-        """A comm gave up on ``req`` (``nbytes``): count it as stranded
-        while UCX still holds it (see :func:`data_endpoints_allowed`)."""
-        if in_flight(req):
-            self.stranded.append((req, nbytes))
-
-    def stranded_bytes(self) -> int:
-        """Bytes of given-up operations UCX has not let go of yet."""
-        self.stranded = [(r, n) for r, n in self.stranded if in_flight(r)]
-        return sum(n for _, n in self.stranded)
-
     def close(self) -> None:
         self._early.clear()
-        self.stranded.clear()
         for fut in self._waiting.values():
             if not fut.done():
                 fut.cancel()
@@ -443,14 +429,6 @@ def identity() -> tuple[int, int, bytes, int]:
     return me.pid, me.start_time, me.boot_id, me.pidns
 
 
-def watch_peer(lw: LoopWorker, ep, pid: int, start: int, boot: bytes, ns: int) -> None:
-    """Check the peer process's liveness when it runs on this host."""
-    from gpucx._address import Identity, is_local
-
-    if pid != os.getpid() and is_local(Identity(pid, start, boot, ns)):
-        _internal.watch_peer(ep.endpoint, pid, start)
-
-
 def new_tag() -> int:
     """A random connection tag (reserved top byte, channel byte 0)."""
     return TAG_PREFIX | (int.from_bytes(os.urandom(6), "little") << 8)
@@ -491,120 +469,37 @@ def device_allocator(name: str):
     return getattr(importlib.import_module(mod), attr)
 
 
-def data_endpoints_allowed(lw: LoopWorker, s: Settings) -> bool:
-    """Whether a new comm of ``lw`` may use a data endpoint.
-
-    A rendezvous send on a data endpoint (no peer error handling) that the
-    peer had not fetched when it died is never released by UCX, which
-    cancels no send and refuses to force-close such an endpoint: only the
-    worker's destruction frees its buffer.  Comms post nothing to a peer
-    they know is dead, but a death while a frame is on its way still
-    strands its send.  Once ``max-stranded-bytes`` are held so, new comms
-    use their connection's endpoint only (UCX cleans those up); the memory
-    comes back when the loop's last comm closes the worker.
-    """
-    if not s.data_endpoints:
-        return False
-    if not s.max_stranded or lw.stranded_bytes() < s.max_stranded:
-        return True
-    if not lw.stranded_warned:
-        lw.stranded_warned = True
-        logger.warning(
-            "gpucx: %d bytes of operations cut short by dead peers are held "
-            "on data endpoints (distributed-gpucx.max-stranded-bytes=%d): new "
-            "comms to peers on this host use their connection's endpoint "
-            "(no cma) until this event loop's comms are all closed",
-            lw.stranded_bytes(),
-            s.max_stranded,
-        )
-    return False
-
-
-class PeerProcess:
-    """A peer process on this host: is it alive, at the cost of a
-    ``poll`` of its pidfd (Linux 5.3 and up; ``fd`` is -1 without one, and
-    after ``close``), else of a read of ``/proc/<pid>/stat``."""
-
-    __slots__ = ("pid", "start", "fd", "_poll", "_dead")
-
-    def __init__(self, pid: int, start: int):
-        from gpucx._liveness import open_pidfd
-
-        self.pid = pid
-        self.start = start
-        self._poll = None
-        self._dead = False
-        # -1: no pidfds here, or the process is gone (alive() asks /proc).
-        self.fd = open_pidfd(pid, start)
-        if self.fd >= 0:
-            self._poll = select.poll()
-            self._poll.register(self.fd, select.POLLIN)
-
-    def alive(self) -> bool:
-        if self._dead:
-            return False
-        if self._poll is not None:
-            self._dead = bool(self._poll.poll(0))
-        else:
-            from gpucx._liveness import proc_alive
-
-            self._dead = not proc_alive(self.pid, self.start)
-        return not self._dead
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            self._poll = None
-            os.close(self.fd)
-            self.fd = -1
-
-
-def data_endpoint(lw: LoopWorker, address: bytes, pid, start, boot, ns):
-    """An endpoint for a peer on this host, made from its worker address
-    without peer error handling, so UCX may move large frames with
-    single-copy ``cma`` (error-handling endpoints leave shared memory only
-    its copy-through-FIFO path).  Its failures are caught by gpucx's
-    liveness check of the peer process (the address is framed) and by the
-    connection endpoint's ``wait_closed``.  None for a peer elsewhere, or
-    when the address is not a gpucx worker address.
-    """
-    from gpucx._address import Identity, is_local
-
-    if not address or not is_local(Identity(pid, start, boot, ns)):
+def data_endpoint(lw: LoopWorker, address: bytes):
+    """The data endpoint to a peer on this host whose gpucx worker address
+    the handshake carried: ``worker.connect(address, mode="same-host")``
+    (no UCX peer error handling, so large frames may take single-copy
+    ``cma``; gpucx watches the peer process, fails what is pending when it
+    dies, closes the endpoint once idle and counts what dead peers strand;
+    docs/guide.md, "Endpoint modes").  None when there is no address, or
+    when gpucx refuses the mode (the peer runs elsewhere, or given-up sends
+    hold ``max-stranded-bytes`` already: then one warning): the comm then
+    sends over its connection's endpoint."""
+    if not address:
         return None
     try:
-        ep = lw.w.connect(bytes(address), error_handling=False)
-    except gpucx.UCXError:
+        ep = lw.w.connect(bytes(address), mode="same-host")
+    except gpucx.UnsupportedError as exc:
+        cap = lw.ctx.max_stranded_bytes
+        if cap and lw.w.stranded_bytes >= cap and not lw.stranded_warned:
+            lw.stranded_warned = True
+            logger.warning(
+                "gpucx: sends cut short by dead peers hold %d bytes on data "
+                "endpoints (distributed-gpucx.max-stranded-bytes=%d): new comms "
+                "to peers on this host send over their connection's endpoint "
+                "(no cma) until UCX lets go of them or this event loop's comms "
+                "are all closed",
+                lw.w.stranded_bytes,
+                cap,
+            )
+        else:
+            logger.debug("gpucx: no data endpoint: %s", exc)
+        return None
+    except gpucx.UCXError as exc:  # not a gpucx address, or the peer is gone
+        logger.debug("gpucx: no data endpoint: %s", exc)
         return None
     return gpucx.aio.Endpoint(ep, lw.aw.driver)
-
-
-def close_data_endpoint(lw: LoopWorker, dep) -> None:
-    """Close a data endpoint once nothing is pending on it.
-
-    Without peer error handling a force close is not allowed while the peer
-    may still act on our operations (it could read a rendezvous buffer we
-    gave up; UCX would not handle the error on its side).  An endpoint with
-    operations pending is parked and closed by a later sweep (or with the
-    worker); an endpoint whose peer died was failed by gpucx already.
-    """
-    lw.parked.append(dep.endpoint)
-    sweep_parked(lw)
-
-
-def sweep_parked(lw: LoopWorker) -> None:
-    """Flush-close the parked data endpoints that have nothing pending."""
-    if not lw.parked or lw.w.closed:
-        return
-    busy = engine(lw.w).busy_endpoints()
-    keep = []
-    for ep in lw.parked:
-        if ep.closed:
-            continue
-        if ep in busy:
-            keep.append(ep)
-            continue
-        try:
-            ep.close(timeout=0.5)
-        except Exception:
-            pass
-    lw.parked = keep

@@ -3,13 +3,16 @@
 Wire format: :mod:`gpucx.dask._framing`; handshake and tags:
 :mod:`gpucx.dask._runtime` and ``docs/dask.md``.
 
-Failure detection: a task awaits the connection endpoint's
-:meth:`gpucx.aio.Endpoint.wait_closed`, which returns as soon as the
-endpoint fails (UCX's error callback: a TCP or connection-manager reset at
-once; a peer on this host that dies is caught by gpucx's liveness check).
-It then cancels the comm's posted receives, so every pending and later
-``read`` raises ``CommClosedError`` (tag receives are worker-wide and would
-not fail by themselves).
+Failure detection: a task awaits :meth:`gpucx.aio.Endpoint.wait_closed`
+of the connection endpoint and of the data endpoint (when there is one),
+which returns as soon as the endpoint fails (UCX's error callback: a TCP
+or connection-manager reset at once; a peer on this host that dies is
+caught by gpucx's liveness check of the data endpoint, a
+``mode="same-host"`` endpoint).  It then cancels the comm's posted
+receives, so every pending and later ``read`` raises ``CommClosedError``
+(tag receives are worker-wide and would not fail by themselves), and
+closes the data endpoint (gpucx fails, parks or closes it as its state
+asks).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.utils import ensure_ip, get_ip
 
 import gpucx
-from gpucx._internal import fail_dead_peer
 from gpucx.mem import as_buffer
 from gpucx.mem.memtype import MemoryType
 
@@ -45,9 +47,6 @@ logger = logging.getLogger("gpucx.dask")
 PREFIX = "gpucx://"
 _HOST_TYPES = (bytes, bytearray, memoryview)
 _DEVICE_TYPES = frozenset({MemoryType.CUDA, MemoryType.CUDA_MANAGED})
-#: Steps of 5 ms to wait for a peer whose connection broke to be gone from
-#: the process table before taking it for alive.
-_DEATH_GRACE_STEPS = 20
 
 
 def _refuse_encryption(connection_args: dict) -> None:
@@ -144,17 +143,14 @@ class GpucxComm(Comm):
         settings: rt.Settings,
         deserialize: bool = True,
         data_ep=None,
-        peer_proc: tuple[int, int] | None = None,
     ):
         super().__init__(deserialize=deserialize)
         self._lw = lw
         self._ep = ep
-        # Messages go over the data endpoint of a peer on this host, else
-        # over the connection's own endpoint (watched for failure).
+        # Messages go over the data endpoint of a peer on this host (a
+        # mode="same-host" endpoint, rt.data_endpoint), else over the
+        # connection's own endpoint.  Both are watched for failure.
         self._dep = data_ep if data_ep is not None else ep
-        # The peer process when it runs on this host (data endpoint): its
-        # exit fails the comm at once where a pidfd is available.
-        self._peer = rt.PeerProcess(*peer_proc) if peer_proc is not None else None
         self._w = lw.w
         self._rtag = rtag
         self._stag = stag
@@ -168,16 +164,16 @@ class GpucxComm(Comm):
         self._broken: str | None = None
         self._recvs: set = set()
         self._released = False
-        self._dep_handed = False  # the data endpoint went to _retire_data_endpoint
+        self._dep_closed = False  # the data endpoint was handed to its close
         self._failed = asyncio.get_running_loop().create_future()
         self._close_sent = False
         self._peer_closed = False
-        # The watch task and the pidfd reader hold the comm weakly: a comm
-        # dropped without close() is collected, and closed (``__del__``).
+        # The watch tasks hold the comm weakly: a comm dropped without
+        # close() is collected, and closed (``__del__``).
         ref = weakref.ref(self)
-        self._watch = asyncio.ensure_future(_watch_endpoint(ref, ep))
-        if self._peer is not None and self._peer.fd >= 0:
-            lw.loop.add_reader(self._peer.fd, _on_peer_exit, ref)
+        self._watches = [asyncio.ensure_future(_watch_endpoint(ref, ep))]
+        if self._dep is not ep:
+            self._watches.append(asyncio.ensure_future(_watch_endpoint(ref, self._dep)))
 
     def __del__(self) -> None:
         # As tcp:// does with a dangling stream: warn, and close it.
@@ -201,19 +197,10 @@ class GpucxComm(Comm):
     # -- failure detection ----------------------------------------------------
 
     def _endpoint_closed(self, err) -> None:
-        """The connection endpoint failed (``err``) or was closed (None)."""
+        """The connection or data endpoint failed (``err``) or was closed
+        (None)."""
         if err is None or self._closed or self._broken is not None:
             return
-        dep, peer = self._dep, self._peer
-        if dep is not self._ep and peer is not None and peer.alive():
-            # The connection broke while the process lives: it closed its
-            # end, or it is dying (the kernel resets a dying process's
-            # sockets before it leaves the process table).  The comm fails
-            # now; the data endpoint goes to a task that tells the two
-            # apart (it holds the worker meanwhile).
-            self._dep_handed = True
-            self._lw.refs += 1
-            asyncio.ensure_future(_retire_data_endpoint(self._lw, dep, peer, str(err)))
         self._peer_failed(f"peer failed: {err}")
 
     def _peer_failed(self, reason: str) -> None:
@@ -224,50 +211,42 @@ class GpucxComm(Comm):
             self._failed.set_result(reason)
         for req in list(self._recvs):
             req.cancel()
-        dep = self._dep
-        if (
-            dep is not None
-            and dep is not self._ep
-            and not self._dep_handed
-            and not dep.endpoint.closed
-        ):
-            # No peer error handling there: fail its operations now (UCX
-            # would not), as gpucx's liveness check would a moment later.
-            fail_dead_peer(dep.endpoint, reason)
+        # gpucx fails the data endpoint's operations if the peer died, or
+        # closes it once they are done if it lives on (it closed its end).
+        self._close_data_endpoint()
         self._lw.aw.driver.kick()
 
+    def _close_data_endpoint(self) -> None:
+        dep = self._dep
+        if dep is not None and dep is not self._ep and not self._dep_closed:
+            self._dep_closed = True
+            dep.close()
+
     def endpoint_failed(self, ep, err) -> None:
-        """The connection endpoint ``ep`` failed (or closed) with ``err``
+        """Endpoint ``ep`` failed (or closed) with ``err``
         (:func:`_watch_endpoint`): the comm breaks if it is still this
-        comm's."""
-        if self._ep is ep:
+        comm's connection or data endpoint."""
+        if ep is self._ep or ep is self._dep:
             self._endpoint_closed(err)
 
-    def peer_exited(self) -> None:
-        """The peer process's pidfd became readable: it exited."""
-        peer = self._peer
-        if peer is None or peer.fd < 0:
-            return
-        self._lw.loop.remove_reader(peer.fd)
-        self._peer_failed(f"peer process {peer.pid} exited")
-
     def _check_peer(self) -> None:
-        """Before posting frames on the data endpoint: raise
-        ``CommClosedError`` if the peer process is gone.  A frame still in
-        a dead peer's memory cannot be fetched, and a rendezvous send to it
-        would stay with UCX for good (no peer error handling there: UCX
-        cancels no send and force-closes no such endpoint)."""
-        peer = self._peer
-        if peer is not None and not peer.alive():
-            self._peer_failed(f"peer process {peer.pid} died")
-            raise CommClosedError(f"{self}: {self._broken or 'peer died'}")
-
-    def _give_up(self, reqs) -> None:
-        """Hand the ``(request, nbytes)`` pairs UCX still holds to the loop's
-        worker, which counts them against ``max-stranded-bytes``."""
-        lw = self._lw
-        for req, nbytes in reqs:
-            lw.strand(req, nbytes)
+        """Before posting frames over the data endpoint: raise
+        ``CommClosedError`` if the peer process is gone
+        (``Endpoint.check_peer``).  A frame still in a dead peer's memory
+        cannot be fetched, and a rendezvous send to it would stay with UCX
+        (see ``Worker.stranded_bytes``).  A comm that broke otherwise goes
+        on: what had fully arrived is still delivered."""
+        dep = self._dep
+        if dep is self._ep:
+            return
+        if not self._dep_closed:
+            try:
+                dep.check_peer()
+            except gpucx.UCXError as exc:
+                self._peer_failed(f"peer failed: {exc}")
+                raise CommClosedError(f"{self}: {self._broken}") from None
+        elif dep.error is not None:  # closed, then its peer was found dead
+            raise CommClosedError(f"{self}: {self._broken}")
 
     async def _await_frame(self, req) -> None:
         """Await a frame receive, racing the peer's failure: a receive that
@@ -290,14 +269,10 @@ class GpucxComm(Comm):
         # After a peer failure, what arrived before it is still delivered.
         if self._broken is not None and not req.done():
             req.cancel()
-            self._give_up([(req, len(buf))])
             raise CommClosedError(f"{self}: {self._broken}")
         self._recvs.add(req)
         try:
             return await req
-        except BaseException:
-            self._give_up([(req, len(buf))])
-            raise
         finally:
             self._recvs.discard(req)
 
@@ -327,7 +302,6 @@ class GpucxComm(Comm):
                 )
             frames: list = []
             reqs = []
-            sizes_posted = []
             off = ctl.inline_at
             ctrl = self._ctrl
             alloc = None
@@ -351,10 +325,9 @@ class GpucxComm(Comm):
                     if size >= cache.min_bytes:
                         trim = True
                 if size and kind != fr.INLINE:
-                    if not reqs and self._dep is not self._ep:
+                    if not reqs:
                         self._check_peer()
                     reqs.append(w.recv_nb(buf, self._rtag))
-                    sizes_posted.append(size)
                 frames.append(buf)
             if trim:
                 cache.schedule_trim(self._lw.loop)
@@ -366,9 +339,6 @@ class GpucxComm(Comm):
                 try:
                     for r in reqs:
                         await self._await_frame(r)
-                except BaseException:
-                    self._give_up(zip(reqs, sizes_posted, strict=True))
-                    raise
                 finally:
                     self._recvs.difference_update(reqs)
         except BaseException as exc:
@@ -443,24 +413,20 @@ class GpucxComm(Comm):
         reqs = []
         if separate_table:
             table = fr.pack_table(sizes, kinds)
-            reqs.append((ep.send_nb(fr.pack_header(fr.F_TABLE, n, total), tag), 0))
-            reqs.append((ep.send_nb(table, tag), len(table)))
+            reqs.append(ep.send_nb(fr.pack_header(fr.F_TABLE, n, total), tag))
+            reqs.append(ep.send_nb(table, tag))
         else:
             ctrl = fr.pack_header(0, n, total) + fr.pack_table(sizes, kinds)
             if inline:
                 # One contiguous message: a copy of a few KiB costs less than
                 # UCX's IOV path.
                 ctrl = b"".join([ctrl, *inline])
-            reqs.append((ep.send_nb(ctrl, tag), len(ctrl)))
+            reqs.append(ep.send_nb(ctrl, tag))
         for f, size, kind in zip(frames, sizes, kinds, strict=True):
             if size and kind != fr.INLINE:
-                reqs.append((ep.send_nb(f, tag), size))
-        try:
-            for r, _ in reqs:
-                await r
-        except BaseException:
-            self._give_up(reqs)
-            raise
+                reqs.append(ep.send_nb(f, tag))
+        for r in reqs:
+            await r
         return total
 
     async def close(self) -> None:
@@ -478,7 +444,10 @@ class GpucxComm(Comm):
                 await asyncio.wait_for(self._dep.aflush(), self._settings.close_timeout)
                 await req
                 self._close_sent = True
-        except (Exception, asyncio.TimeoutError):
+        except (gpucx.UCXError, asyncio.TimeoutError):
+            # The CLOSE could not go out or be flushed within close-timeout
+            # (the peer went away, the endpoint failed): the teardown
+            # below closes all the same.
             pass
         finally:
             self._teardown()
@@ -512,7 +481,7 @@ class GpucxComm(Comm):
             req = self._dep.send_nb(fr.close_message(), self._stag)
             if req.done() and req.exception() is None:
                 self._close_sent = True
-        except Exception:
+        except gpucx.UCXError:  # the endpoint went away: nobody to tell
             pass
 
     def abort(self) -> None:
@@ -522,26 +491,19 @@ class GpucxComm(Comm):
 
     def _teardown(self) -> None:
         self._closed = True
-        if not self._watch.done():
-            self._watch.cancel()
+        for watch in self._watches:
+            if not watch.done():
+                watch.cancel()
         for req in list(self._recvs):
             req.cancel()
-        peer = self._peer
-        if peer is not None and peer.fd >= 0:
-            try:
-                self._lw.loop.remove_reader(peer.fd)
-            except Exception:  # the loop is closed already
-                pass
-            peer.close()
         ep = self._ep
         if ep is not None:
             if self._drain():
                 self._peer_closed = True
             self._send_close()
+            self._close_data_endpoint()
             self._ep = None
-            dep, self._dep = self._dep, None
-            if dep is not ep and not self._dep_handed:
-                rt.close_data_endpoint(self._lw, dep)
+            self._dep = None
             try:
                 ep.close(force=True)
             except Exception:  # already gone with its worker
@@ -551,7 +513,7 @@ class GpucxComm(Comm):
             self._released = True
             try:
                 self._lw.aw.driver.kick()
-            except Exception:
+            except Exception:  # the loop or the worker closed: nothing to wake
                 pass
             rt.release(self._lw)
 
@@ -591,34 +553,6 @@ async def _watch_endpoint(ref, ep) -> None:
     comm = ref()
     if comm is not None:
         comm.endpoint_failed(ep, err)
-
-
-def _on_peer_exit(ref) -> None:
-    comm = ref()
-    if comm is not None:
-        comm.peer_exited()
-
-
-async def _retire_data_endpoint(
-    lw: rt.LoopWorker, dep, peer: rt.PeerProcess, reason: str
-):
-    """Fail (peer died) or flush-close (peer lives on) the data endpoint of
-    a comm whose connection broke while the peer process still ran; then
-    drop the worker reference the comm took for this task."""
-    try:
-        alive = True
-        for _ in range(_DEATH_GRACE_STEPS):
-            if not peer.alive():
-                alive = False
-                break
-            await asyncio.sleep(0.005)
-        if not alive:
-            fail_dead_peer(dep.endpoint, f"peer failed: {reason}")
-            lw.aw.driver.kick()
-    finally:
-        if not lw.w.closed:
-            rt.close_data_endpoint(lw, dep)
-        rt.release(lw)
 
 
 def _addr(pair) -> str:
@@ -683,16 +617,16 @@ class GpucxConnector(Connector):
                 boot,
                 ns,
                 s.ctrl_cap,
-            ) + (lw.w.address if rt.data_endpoints_allowed(lw, s) else b"")
+            ) + (lw.w.address if s.data_endpoints else b"")
             await ep.am_send_nb(rt.HELLO_AM_ID, hello, reply=True)
             welcome = bytearray(rt.WELCOME.size + rt.ADDRESS_MAX)
             task = asyncio.ensure_future(lw.aw.arecv(welcome, tag=rtag | rt.CH_WELCOME))
             info = await _first(
                 task, ep, s.connect_timeout, f"gpucx handshake with {address}"
             )
-            magic, version, ppid, pstart, pboot, pns, peer_cap = rt.WELCOME.unpack_from(
-                welcome
-            )
+            # The listener's identity (fields 2-5) is not used any more: the
+            # data endpoint's comes with its worker address.
+            magic, version, *_, peer_cap = rt.WELCOME.unpack_from(welcome)
             if (
                 info.nbytes < rt.WELCOME.size
                 or magic != rt.WELCOME_MAGIC
@@ -702,9 +636,8 @@ class GpucxConnector(Connector):
                     f"{address} did not answer the gpucx:// handshake (version "
                     f"{version}; this gpucx speaks {rt.PROTOCOL_VERSION})"
                 )
-            rt.watch_peer(lw, ep, ppid, pstart, pboot, pns)
             peer_address = bytes(welcome[rt.WELCOME.size : info.nbytes])
-            dep = rt.data_endpoint(lw, peer_address, ppid, pstart, pboot, pns)
+            dep = rt.data_endpoint(lw, peer_address) if s.data_endpoints else None
             local = _addr(ep.local_sockaddr)
             comm = GpucxComm(
                 lw,
@@ -717,7 +650,6 @@ class GpucxConnector(Connector):
                 s,
                 deserialize,
                 dep,
-                (ppid, pstart) if dep is not None else None,
             )
             ok = True
             return comm
@@ -807,7 +739,9 @@ class GpucxListener(BaseListener):
             hello = await asyncio.wait_for(lw.hello_for(ep.endpoint), s.connect_timeout)
             n = rt.HELLO.size
             ok_len = n <= len(hello) <= n + rt.ADDRESS_MAX
-            magic, version, rtag, stag, pid, start, boot, ns, peer_cap = (
+            # The client's identity (fields 4-7) is not used any more: the
+            # data endpoint's comes with its worker address.
+            magic, version, rtag, stag, *_, peer_cap = (
                 rt.HELLO.unpack_from(hello) if ok_len else (b"",) * 9
             )
             if (
@@ -819,14 +753,11 @@ class GpucxListener(BaseListener):
             ):
                 raise fr.FramingError("malformed gpucx:// HELLO")
             me = rt.identity()
-            dep = None
-            if rt.data_endpoints_allowed(lw, s):
-                dep = rt.data_endpoint(lw, hello[n:], pid, start, boot, ns)
+            dep = rt.data_endpoint(lw, hello[n:]) if s.data_endpoints else None
             welcome = rt.WELCOME.pack(
                 rt.WELCOME_MAGIC, rt.PROTOCOL_VERSION, *me, s.ctrl_cap
             ) + (lw.w.address if dep is not None else b"")
             await ep.asend(welcome, stag | rt.CH_WELCOME)
-            rt.watch_peer(lw, ep, pid, start, boot, ns)
             comm = GpucxComm(
                 lw,
                 ep,
@@ -838,16 +769,15 @@ class GpucxListener(BaseListener):
                 s,
                 self.deserialize,
                 dep,
-                (pid, start) if dep is not None else None,
             )
             lw.refs += 1  # the comm's own reference
         except BaseException as exc:
             if dep is not None:
-                rt.close_data_endpoint(lw, dep)
+                dep.close()
             lw.forget(ep.endpoint)
             try:
                 ep.close(force=True)
-            except Exception:
+            except Exception:  # already gone with its worker
                 pass
             if not isinstance(exc, asyncio.CancelledError):
                 logger.debug("gpucx handshake failed: %r", exc)
