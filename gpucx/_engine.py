@@ -686,8 +686,10 @@ class Engine:
         connection request, an array, a notification, a control message).
         Between looks at ``ready()`` it sleeps one slice on the event fd
         (progressing first; cffi releases the GIL), then runs
-        :meth:`poll_events` and ``check()``, which raises to end the wait
-        (e.g. ``PeerError`` for a dead peer).  ``poll=True`` busy-polls
+        :meth:`poll_events`, looks at ``ready()`` and, when it is still
+        false, runs ``check()``, which raises to end the wait (e.g.
+        ``PeerError`` for a dead peer): what arrived wins over a failure
+        found in the same slice.  ``poll=True`` busy-polls
         instead of sleeping (benchmark receivers, as ``ucx_perftest``'s: a
         sleeping receiver makes a shared-memory sender signal it and wait
         for it to wake): :meth:`progress` after each look, the deadline and
@@ -720,9 +722,13 @@ class Engine:
                 if woke == -_PEER_EXITED:
                     _live.check(self, force=True)
                 self.poll_events()
-            if check is not None:
-                check()
+            # What arrived comes first: a reply and the peer's going away
+            # can land in one progress call (a server that answers and
+            # closes), and the reply is the answer.
             r = ready()
+            if not r and check is not None:
+                check()
+                r = ready()
         return r
 
     def wait_closing(self, done: Callable[[], bool], end: float, others=()) -> bool:
