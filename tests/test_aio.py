@@ -369,3 +369,39 @@ def test_spin_is_configurable_and_adapts(ctx):
         a.close()
 
     run(main())
+
+
+def test_faces_delegate_every_public_attribute(ctx):
+    # The faces delegate through properties written on the class (no
+    # __getattr__, which mypy could not see through): every public
+    # attribute of the object a face wraps is there, and reads the
+    # wrapped object's.
+    from gpucx.endpoint import Endpoint
+    from gpucx.listener import Listener
+    from gpucx.worker import Worker
+
+    for face, core in (
+        (gpucx.aio.Endpoint, Endpoint),
+        (gpucx.aio.Listener, Listener),
+        (gpucx.aio.Worker, Worker),
+    ):
+        assert "__getattr__" not in vars(face)
+        public = [n for n in dir(core) if not n.startswith("_")]
+        assert [n for n in public if not hasattr(face, n)] == [], face
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            lst = w.listen(0, "127.0.0.1")
+            ep = w.connect(w.address)
+            assert w.thread_mode == w.worker.thread_mode == "single"
+            assert w.address == w.worker.address and not w.closed
+            assert (lst.port, lst.host) == (lst.listener.port, "127.0.0.1")
+            assert ep.peer == ep.endpoint.peer and ep.worker is w.worker
+            assert ep.send_nb.__self__ is ep.endpoint
+            with pytest.raises(AttributeError):
+                ep.no_such_attribute  # noqa: B018
+            ep.close()
+            assert ep.closed
+            lst.close()
+
+    run(main())

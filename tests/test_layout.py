@@ -282,7 +282,7 @@ def test_info_lives_beside_the_cli() -> None:
 # Packages and modules built on the core that must reach its objects' private
 # state only through gpucx._internal (or public API): the tools, and the
 # asyncio driver (issue 36: none of them reaches into a core object).
-_ABOVE_THE_CORE = ("aio.py", "bench", "dask")
+_ABOVE_THE_CORE = ("aio", "bench", "dask")
 
 
 def _files(top: str) -> list[pathlib.Path]:
@@ -477,7 +477,7 @@ def test_c_slot_kinds_are_named() -> None:
 # on the fd by design.  ``time.sleep`` is not for the core at all (the
 # benchmark's process management and Dask's own retries are not worker waits).
 _SLEEPS = {"gpucx_worker_sleep", "gpucx_wait_sleep"}
-_MAY_SLEEP = {"gpucx._engine", "gpucx.aio"}
+_MAY_SLEEP = {"gpucx._engine", "gpucx.aio._thread"}
 
 
 def test_one_module_sleeps_on_the_worker() -> None:
