@@ -399,7 +399,12 @@ _REACH_CEILING = {
     "mem/ipc.py": 7,
     "mem/region.py": 26,
     "mem/remote.py": 2,
-    "ops/am.py": 23,
+    # ops/am.py, split by concern (issue 36): 23 reaches, moved with the code.
+    "ops/am/_handlers.py": 3,
+    "ops/am/_message.py": 2,
+    "ops/am/_recv.py": 5,
+    "ops/am/_send.py": 9,
+    "ops/am/_state.py": 4,
     "ops/arrays.py": 16,  # recv_array_nb and staging (issue 34): +4
     "ops/atomic.py": 11,
     "ops/ipc.py": 20,
