@@ -31,5 +31,10 @@ from ._faces import Endpoint, Listener, Worker
 from ._thread import ProgressThread
 
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
+# The public classes read as gpucx.aio's (repr, pickling, docs), as they
+# did before the split.
+for _cls in (Worker, Endpoint, Listener, ProgressThread):
+    _cls.__module__ = __name__
+del _cls
 # Read by tests/test_aio.py (the adaptive spin's probe period).
 _SPIN_PROBE_EVERY = _SPIN_PROBE_EVERY

@@ -49,6 +49,12 @@ from ._cudadrv import IpcMemHandle as IpcMemHandle
 from .memtype import CUDA_INTS as _CUDA_INTS
 from .memtype import MemoryType
 
+# The driver's classes read as gpucx.mem.cuda's (repr, tracebacks,
+# pickling), as they did before the ABI moved to _cudadrv.
+for _cls in (Driver, DriverError, IpcMemHandle):
+    _cls.__module__ = __name__
+del _cls
+
 __all__ = [
     "Driver",
     "driver",

@@ -59,6 +59,10 @@ from ._state import (
 from ._state import _no_am as _no_am
 from ._state import _register as _register
 
+# The message class reads as gpucx.ops.am's (repr, pickling, docs), as it
+# did before the split.
+AmMessage.__module__ = _KeptMessage.__module__ = __name__
+
 __all__ = [
     "AmMessage",
     "set_am_handler",
