@@ -12,7 +12,7 @@ import pytest
 
 import gpucx
 import gpucx.aio
-from gpucx import _address, _liveness
+from gpucx import _address, _internal, _liveness
 
 from conftest import channel_pair, join_ok, spawn
 from peers_aio import aio_die_after_connect, aio_echo_server, aio_peer_to_kill
@@ -403,5 +403,25 @@ def test_faces_delegate_every_public_attribute(ctx):
             ep.close()
             assert ep.closed
             lst.close()
+
+    run(main())
+
+
+def test_progress_thread_takes_an_aio_worker(ctx):
+    # As when the face forwarded every attribute: the thread progresses the
+    # face's worker.
+    async def main():
+        async with gpucx.aio.Worker(ctx, thread_mode="multi") as w:
+            with gpucx.aio.ProgressThread(w) as t:
+                ep = w.worker.connect(w.address)
+                buf = bytearray(8)
+                req = w.worker.recv_nb(buf, tag=9)
+                ep.send(b"12345678", tag=9)
+                deadline = time.monotonic() + 10
+                while not req.done() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert req.done() and bytes(buf) == b"12345678"
+                assert t._engine is _internal.engine(w.worker)
+                ep.close()
 
     run(main())

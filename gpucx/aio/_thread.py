@@ -6,6 +6,7 @@ import threading
 
 from .._internal import engine as _engine_of
 from .._lib import lib
+from ._faces import Worker as _AioWorker
 
 
 class ProgressThread:
@@ -28,6 +29,10 @@ class ProgressThread:
             raise ValueError(
                 'a progress thread needs a worker created with thread_mode="multi"'
             )
+        if isinstance(worker, _AioWorker):
+            # The face's own worker (the face once forwarded every
+            # attribute, its engine included, to it).
+            worker = worker.worker
         self._engine = e = _engine_of(worker)
         self._stop = threading.Event()
         self._thread = threading.Thread(
