@@ -32,6 +32,7 @@ C_HEADER = "_csrc/gpucx.h"
 C_SOURCES = ["_ucx_helpers.c"] + [
     f"_csrc/{name}.c"
     for name in (
+        "engine",
         "worker",
         "ep",
         "tag",

@@ -12,7 +12,7 @@ import pytest
 
 import gpucx
 import gpucx.aio
-from gpucx import _address, _liveness
+from gpucx import _address, _internal, _liveness
 
 from conftest import channel_pair, join_ok, spawn
 from peers_aio import aio_die_after_connect, aio_echo_server, aio_peer_to_kill
@@ -367,5 +367,61 @@ def test_spin_is_configurable_and_adapts(ctx):
         assert drv._spin_len() == 100_000
         b.close()
         a.close()
+
+    run(main())
+
+
+def test_faces_delegate_every_public_attribute(ctx):
+    # The faces delegate through properties written on the class (no
+    # __getattr__, which mypy could not see through): every public
+    # attribute of the object a face wraps is there, and reads the
+    # wrapped object's.
+    from gpucx.endpoint import Endpoint
+    from gpucx.listener import Listener
+    from gpucx.worker import Worker
+
+    for face, core in (
+        (gpucx.aio.Endpoint, Endpoint),
+        (gpucx.aio.Listener, Listener),
+        (gpucx.aio.Worker, Worker),
+    ):
+        assert "__getattr__" not in vars(face)
+        public = [n for n in dir(core) if not n.startswith("_")]
+        assert [n for n in public if not hasattr(face, n)] == [], face
+
+    async def main():
+        async with gpucx.aio.Worker(ctx) as w:
+            lst = w.listen(0, "127.0.0.1")
+            ep = w.connect(w.address)
+            assert w.thread_mode == w.worker.thread_mode == "single"
+            assert w.address == w.worker.address and not w.closed
+            assert (lst.port, lst.host) == (lst.listener.port, "127.0.0.1")
+            assert ep.peer == ep.endpoint.peer and ep.worker is w.worker
+            assert ep.send_nb.__self__ is ep.endpoint
+            with pytest.raises(AttributeError):
+                ep.no_such_attribute  # noqa: B018
+            ep.close()
+            assert ep.closed
+            lst.close()
+
+    run(main())
+
+
+def test_progress_thread_takes_an_aio_worker(ctx):
+    # As when the face forwarded every attribute: the thread progresses the
+    # face's worker.
+    async def main():
+        async with gpucx.aio.Worker(ctx, thread_mode="multi") as w:
+            with gpucx.aio.ProgressThread(w) as t:
+                ep = w.worker.connect(w.address)
+                buf = bytearray(8)
+                req = w.worker.recv_nb(buf, tag=9)
+                ep.send(b"12345678", tag=9)
+                deadline = time.monotonic() + 10
+                while not req.done() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert req.done() and bytes(buf) == b"12345678"
+                assert t._engine is _internal.engine(w.worker)
+                ep.close()
 
     run(main())

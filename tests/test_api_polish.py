@@ -53,6 +53,17 @@ def test_aio_is_an_attribute_without_importing_asyncio_up_front():
     assert p.returncode == 0, p.stderr
 
 
+def test_split_modules_keep_the_public_classes_module():
+    # Issue 36 split gpucx.aio, gpucx.ops.am and gpucx.mem.cuda by concern;
+    # their classes still read as the public module's.
+    import gpucx.aio
+    from gpucx.mem import cuda
+
+    assert gpucx.AmMessage.__module__ == "gpucx.ops.am"
+    assert gpucx.DriverError.__module__ == cuda.Driver.__module__ == "gpucx.mem.cuda"
+    assert gpucx.aio.ProgressThread.__module__ == "gpucx.aio"
+
+
 def test_aio_worker_hands_out_aio_endpoints():
     """connect / listen().accept / aaccept on an aio worker all give the aio
     endpoint, with asend."""

@@ -21,7 +21,8 @@ import gpucx
 from gpucx._internal import am_recv_registration
 from gpucx._lib import ffi, lib
 from gpucx.mem import cuda as gcuda
-from gpucx.ops import am as _am
+from gpucx.ops.am import _recv as _am_recv
+from gpucx.ops.am import _send as _am_send
 
 from fakegpu import FakeCudaArrayV2, FakeCudaArrayV3, FakeDriver
 
@@ -52,7 +53,7 @@ def _queries(drv, since=0):
 
 def _spy(monkeypatch, names):
     events = []
-    monkeypatch.setattr(_am, "lib", PostSpy(lib, set(names), events, 6))
+    monkeypatch.setattr(_am_send, "lib", PostSpy(lib, set(names), events, 6))
     return events
 
 
@@ -202,12 +203,14 @@ def test_posted_cuda_receive_passes_the_door_and_posts_cuda(pair, monkeypatch):
     previous = gcuda.set_driver(drv)
     try:
         events = []
-        monkeypatch.setattr(_am, "lib", PostSpy(lib, {"gpucx_am_post_mt"}, events, 3))
+        monkeypatch.setattr(
+            _am_recv, "lib", PostSpy(lib, {"gpucx_am_post_mt"}, events, 3)
+        )
         with pytest.raises(_Posted):
             pair.b.am_recv_nb(21, FakeCudaArrayV3(arr))
         events2 = []
         monkeypatch.setattr(
-            _am, "lib", PostSpy(lib, {"gpucx_am_post_group"}, events2, 4)
+            _am_recv, "lib", PostSpy(lib, {"gpucx_am_post_group"}, events2, 4)
         )
         with pytest.raises(_Posted):
             pair.b.am_recv_many_nb(21, [FakeCudaArrayV3(arr)] * 3)

@@ -17,11 +17,11 @@ from test_gpu_layer import CUDA, PostSpy, _Posted, _setup_fake
 
 from gpucx._engine import Engine
 from gpucx.mem import cuda as gcuda
-from gpucx.ops import am as _am
 from gpucx.ops import am_batch as _am_batch
 from gpucx.ops import rma as _rma
 from gpucx.ops import stream as _stream
 from gpucx.ops import tag as _tag
+from gpucx.ops.am import _send as _am_send
 
 from fakegpu import FakeCudaArrayV2
 
@@ -54,8 +54,8 @@ OPS = [
     (_stream, "gpucx_stream_send", 3, lambda p, b, k: p.ab.stream_send_nb(b)),
     (_stream, "gpucx_stream_recv_wait", 4, lambda p, b, k: p.ab.stream_recv(b)),
     (_stream, "gpucx_stream_recv", 3, lambda p, b, k: p.ab.stream_recv_nb(b)),
-    (_am, "gpucx_am_send_wait", 7, lambda p, b, k: p.ab.am_send(7, b)),
-    (_am, "gpucx_am_send", 6, lambda p, b, k: p.ab.am_send_nb(7, b)),
+    (_am_send, "gpucx_am_send_wait", 7, lambda p, b, k: p.ab.am_send(7, b)),
+    (_am_send, "gpucx_am_send", 6, lambda p, b, k: p.ab.am_send_nb(7, b)),
     (_rma, "gpucx_put_wait", 6, lambda p, b, k: p.ab.put(b, k)),
     (_rma, "gpucx_put", 5, lambda p, b, k: p.ab.put_nb(b, k)),
     (_rma, "gpucx_put_notify", 5, lambda p, b, k: p.ab.put_nb(b, k, notify=b"n")),

@@ -25,6 +25,7 @@ from gpucx.mem import region as _region
 from gpucx.ops import am as _am
 from gpucx.ops import arrays as _arrays
 from gpucx.ops import tag as _tag
+from gpucx.ops.am import _send as _am_send
 
 from conftest import TRANSPORTS, Pair
 from fakegpu import (
@@ -901,8 +902,8 @@ def test_unpack_device_without_driver(no_driver, pair):
     [
         (_tag, {"gpucx_tag_send_wait"}, 5, lambda ep, a: ep.send(a, tag=3)),
         (_tag, {"gpucx_tag_send"}, 4, lambda ep, a: ep.send_nb(a, tag=3)),
-        (_am, {"gpucx_am_send_wait"}, 7, lambda ep, a: ep.am_send(4, a)),
-        (_am, {"gpucx_am_send"}, 6, lambda ep, a: ep.am_send_nb(4, a)),
+        (_am_send, {"gpucx_am_send_wait"}, 7, lambda ep, a: ep.am_send(4, a)),
+        (_am_send, {"gpucx_am_send"}, 6, lambda ep, a: ep.am_send_nb(4, a)),
     ],
     ids=["send", "send_nb", "am_send", "am_send_nb"],
 )
@@ -924,8 +925,8 @@ def test_device_sends_look_up_their_protocol_once(
         ep._proto_seen |= 1 << bit  # as the real one records it
 
     monkeypatch.setattr(module._protocols, "first_use", first_use)
-    op = "am" if module is _am else "tag"
-    bit = (48 if module is _am else 32) + CUDA
+    op = "am" if module is _am_send else "tag"
+    bit = (48 if module is _am_send else 32) + CUDA
     for _ in range(3):
         req = send(pair.ab, FakeCudaArrayV2(arr))
         if req is not None:

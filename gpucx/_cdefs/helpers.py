@@ -53,15 +53,6 @@ const char *gpucx_build_ucx_prefix(void);
 
 ucs_status_t gpucx_slot_release(gpucx_slot_t *slot);
 ucs_status_t gpucx_slot_cancel(ucp_worker_h worker, gpucx_slot_t *slot);
-ucs_status_t gpucx_wait(ucp_worker_h worker, gpucx_slot_t *slot,
-                        uint64_t spin_ns);
-#define GPUCX_WAIT_DUE 3
-ucs_status_t gpucx_wait_due(gpucx_worker_state_t *w, gpucx_slot_t *slot,
-                            uint64_t spin_ns);
-#define GPUCX_PEER_EXITED 2
-int gpucx_worker_sleep(ucp_worker_h worker, int efd, int pfd, int timeout_ms);
-ucs_status_t gpucx_wait_sleep(ucp_worker_h worker, int efd, int pfd,
-                              gpucx_slot_t *slot, int timeout_ms);
 
 ucs_status_t gpucx_config_create(ucp_config_t **out);
 ucs_status_t gpucx_context_create(ucp_config_t *config, uint64_t features,

@@ -40,10 +40,6 @@ typedef struct gpucx_am_group {
 static const unsigned GPUCX_AM_FLAG_RNDV;
 static const uint64_t GPUCX_AM_FLAG_POOLED;
 static const uint64_t GPUCX_AM_FLAG_FAILED;
-static const unsigned GPUCX_DUE_AM;
-static const unsigned GPUCX_DUE_NOTIFY;
-static const unsigned GPUCX_DUE_DROPS;
-static const unsigned GPUCX_DUE;
 static const unsigned GPUCX_AM_SEND_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER;
 static const unsigned GPUCX_AM_SEND_RNDV;
@@ -57,10 +53,6 @@ void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker,
 void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,
                     gpucx_qstat_t *queue);
 int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out);
-unsigned gpucx_progress(gpucx_worker_state_t *w);
-unsigned gpucx_due(const gpucx_worker_state_t *w);
-void gpucx_progress_watch(gpucx_worker_state_t *w, gpucx_am_state_t *am,
-                          const gpucx_qstat_t *notify);
 void gpucx_am_release(ucp_worker_h worker, gpucx_am_msg_t *m);
 void gpucx_am_release_queued(gpucx_am_state_t *st);
 void gpucx_am_drain(gpucx_am_state_t *st);

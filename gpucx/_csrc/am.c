@@ -11,8 +11,6 @@
  * (ucp_am_data_release) or hands it to ucp_am_recv_data_nbx.
  */
 
-#include <pthread.h>
-
 #define GPUCX_AMQ_MIN 64
 
 typedef struct gpucx_am_msg {
@@ -29,25 +27,6 @@ typedef struct gpucx_am_msg {
     struct gpucx_am_pool *pool; /* owned 2: data is pool->bufs[index] */
     unsigned  index;
 } gpucx_am_msg_t;
-
-typedef struct gpucx_am_state {
-    ucp_worker_h    worker;
-    unsigned        head;    /* next message to pop */
-    unsigned        tail;    /* next free entry; head == tail: empty */
-    unsigned        cap;
-    gpucx_am_msg_t *q;
-    /* Caps and counters (guarded by lock): queue describes q[head, tail),
-     * kept every reg's kq together.  drops counts every message a cap (or
-     * lack of memory) dropped, here and in the worker's notification
-     * queue; Python compares it with what it saw to warn. */
-    gpucx_qstat_t   queue;
-    gpucx_qstat_t   kept;
-    uint64_t        drops;
-    uint64_t        drops_seen; /* drops when Python last looked (Python) */
-    /* Push (inside progress) and pop (Python) may run in different threads
-     * of a "multi" worker; uncontended, the lock costs a few ns. */
-    pthread_mutex_t lock;
-} gpucx_am_state_t;
 
 struct gpucx_am_reg;
 
@@ -1118,74 +1097,6 @@ static int gpucx_am_pop(gpucx_am_state_t *st, gpucx_am_msg_t *out)
     }
     pthread_mutex_unlock(&st->lock);
     return found;
-}
-
-/* Bits of gpucx_progress's and gpucx_due's results: what Python has to do
- * after progress.  UCX's event count (the low bits) never comes near them. */
-static const unsigned GPUCX_DUE_AM     = 1u << 31; /* messages for handlers */
-static const unsigned GPUCX_DUE_NOTIFY = 1u << 30; /* notifications, handler set */
-static const unsigned GPUCX_DUE_DROPS  = 1u << 29; /* drops Python has not seen */
-static const unsigned GPUCX_DUE        = 7u << 29; /* any of them */
-/* The most ucp_worker_progress calls one gpucx_progress makes: it goes on
- * while UCX reports events, so that messages arriving back to back reach
- * Python's handlers as one batch (one cold pass through the dispatch code
- * for many messages, not one per message), and stops after this many so
- * that one call stays short. */
-#ifndef GPUCX_PROGRESS_ROUNDS
-#define GPUCX_PROGRESS_ROUNDS 16
-#endif
-
-/* The due bits of w (what w->am and w->notify point to; see
- * gpucx_progress_watch).  The reads are unlocked: whatever one misses, the
- * next look sees. */
-static unsigned gpucx_due(const gpucx_worker_state_t *w)
-{
-    const gpucx_am_state_t *st  = w->am;
-    unsigned                due = 0;
-
-    if (st != NULL) {
-        if (st->tail != 0) {
-            due |= GPUCX_DUE_AM;
-        }
-        if (st->drops != st->drops_seen) {
-            due |= GPUCX_DUE_DROPS;
-        }
-    }
-    if (w->notify != NULL && w->notify->count != 0) {
-        due |= GPUCX_DUE_NOTIFY;
-    }
-    return due;
-}
-
-/* Progress the worker until UCX reports no event, at most
- * GPUCX_PROGRESS_ROUNDS times (UCX's own "while (ucp_worker_progress(w))"
- * idiom, bounded); returns UCX's event count with the due bits of what
- * Python has to do after it.  Worker.progress is one C call with one
- * argument this way (each cdata argument costs cffi a type check), and it
- * reads no cffi field to know what to run. */
-static unsigned gpucx_progress(gpucx_worker_state_t *w)
-{
-    unsigned total = 0, n;
-    int      i;
-
-    for (i = 0; i < GPUCX_PROGRESS_ROUNDS; ++i) {
-        n = ucp_worker_progress(w->worker);
-        total += n;
-        if (n == 0) {
-            break;
-        }
-    }
-    return total | gpucx_due(w);
-}
-
-/* Point gpucx_progress at the worker's AM state and, while a notification
- * handler is set, its notification counters (NULL otherwise). */
-static void gpucx_progress_watch(gpucx_worker_state_t *w,
-                                 gpucx_am_state_t *am,
-                                 const gpucx_qstat_t *notify)
-{
-    w->am     = am;
-    w->notify = notify;
 }
 
 /* caps: kept count, kept bytes, queue count, queue bytes (0: no cap). */

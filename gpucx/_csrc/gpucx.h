@@ -19,6 +19,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
 #include <limits.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,7 +65,7 @@ typedef struct gpucx_worker_state {
     int                efd;
     /* gpucx's atomics over active messages (atomic.c), or NULL. */
     struct gpucx_amo_emu *amo;
-    /* What gpucx_progress looks at after progress (am.c): the handler
+    /* What gpucx_progress looks at after progress (engine.c): the handler
      * queue, and the notification queue's counters while Python has a
      * notification handler (else NULL). */
     struct gpucx_am_state     *am;
@@ -96,6 +97,28 @@ typedef struct gpucx_qstat {
     uint64_t dropped;
     uint64_t dropped_bytes;
 } gpucx_qstat_t;
+
+/* A worker's active-message state (am.c): the handler queue and the
+ * counters of both AM queues.  Here because the engine (engine.c) reads
+ * its tail and drop counters to say what is due; am.c owns the rest. */
+typedef struct gpucx_am_state {
+    ucp_worker_h    worker;
+    unsigned        head;    /* next message to pop */
+    unsigned        tail;    /* next free entry; head == tail: empty */
+    unsigned        cap;
+    struct gpucx_am_msg *q;
+    /* Caps and counters (guarded by lock): queue describes q[head, tail),
+     * kept every reg's kq together.  drops counts every message a cap (or
+     * lack of memory) dropped, here and in the worker's notification
+     * queue; Python compares it with what it saw to warn. */
+    gpucx_qstat_t   queue;
+    gpucx_qstat_t   kept;
+    uint64_t        drops;
+    uint64_t        drops_seen; /* drops when Python last looked (Python) */
+    /* Push (inside progress) and pop (Python) may run in different threads
+     * of a "multi" worker; uncontended, the lock costs a few ns. */
+    pthread_mutex_t lock;
+} gpucx_am_state_t;
 
 /* ---- slot kinds ---------------------------------------------------------- */
 
@@ -142,7 +165,6 @@ struct gpucx_am_group;
 /* am.c */
 static int gpucx__am_unpost(struct gpucx_am_reg *reg, gpucx_slot_t *slot);
 static void gpucx__am_unpost_group(struct gpucx_am_group *g);
-static unsigned gpucx_due(const gpucx_worker_state_t *w);
 
 /* atomic.c */
 static void gpucx__amo_ep_failed(struct gpucx_amo_emu *emu, ucp_ep_h ep,
