@@ -174,6 +174,13 @@ class Endpoint(Handle):
         return f"<gpucx.Endpoint {state}>"
 
     @property
+    def mode(self) -> str | None:
+        """The endpoint mode it was connected with: ``"same-host"``
+        (guide, "Endpoint modes"), or None (UCX's own error handling, or
+        none with ``error_handling=False``)."""
+        return "same-host" if self._same_host else None
+
+    @property
     def worker(self):
         """The :class:`~gpucx.Worker` this endpoint belongs to."""
         return self._w

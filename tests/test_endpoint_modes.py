@@ -386,3 +386,23 @@ def test_held_bytes_sizes_what_operations_keep():
         assert a.stranded_bytes == 8 * MiB + 100
         r = b.recv_nb(np.empty(8 * MiB + 100, "u1"), 9)
         _progress_until(a, lambda: r.done() and a.stranded_bytes == 0)
+
+
+def test_an_aio_worker_connects_in_same_host_mode():
+    """``gpucx.aio.Worker.connect``/``aconnect`` take the mode as the core
+    worker does (a same-host endpoint to a worker of this process)."""
+    import asyncio
+
+    async def main():
+        with gpucx.Context() as ctx:
+            async with gpucx.aio.Worker(ctx) as aw, gpucx.aio.Worker(ctx) as peer:
+                ep = aw.connect(peer.address, mode="same-host")
+                ep2 = await aw.aconnect(peer.address, mode="same-host")
+                plain = aw.connect(peer.address)
+                assert plain.endpoint.mode is None
+                for e in (ep, ep2, plain):
+                    if e is not plain:
+                        assert e.endpoint.mode == "same-host"
+                    e.close()
+
+    asyncio.run(main())

@@ -233,12 +233,20 @@ class Worker(_WorkerBase):
         return Listener(lst, self)
 
     def connect(
-        self, address, *, error_handling: bool = True, raw: bool = False
+        self,
+        address,
+        *,
+        error_handling: bool | None = None,
+        raw: bool = False,
+        mode: str | None = None,
     ) -> Endpoint:
         """:meth:`gpucx.Worker.connect`, returning the async
         :class:`Endpoint` (returns at once; :meth:`aconnect` waits for a
-        ``(host, port)`` connection to be up)."""
-        ep = self._worker.connect(address, error_handling=error_handling, raw=raw)
+        ``(host, port)`` connection to be up).  ``mode="same-host"``: the
+        endpoint mode of the guide's "Endpoint modes"."""
+        ep = self._worker.connect(
+            address, error_handling=error_handling, raw=raw, mode=mode
+        )
         return Endpoint(ep, self._drv)
 
     async def aaccept(
@@ -277,7 +285,12 @@ class Worker(_WorkerBase):
         return Endpoint(ep, self._drv)
 
     async def aconnect(
-        self, address, *, error_handling: bool = True, raw: bool = False
+        self,
+        address,
+        *,
+        error_handling: bool | None = None,
+        raw: bool = False,
+        mode: str | None = None,
     ) -> Endpoint:
         """Connect to a peer (see :meth:`gpucx.Worker.connect`).
 
@@ -285,7 +298,7 @@ class Worker(_WorkerBase):
         connection is established, so an unreachable peer raises
         :class:`~gpucx.PeerError` here.
         """
-        ep = self.connect(address, error_handling=error_handling, raw=raw)
+        ep = self.connect(address, error_handling=error_handling, raw=raw, mode=mode)
         if isinstance(address, tuple):
             try:
                 await ep.aflush()
