@@ -789,9 +789,11 @@ class Engine:
         * ``"release"``: ``ep`` is force-closed (``Endpoint.abort``), which
           makes UCX complete everything it holds on it, and the operation
           is drained (at most ``RELEASE_DRAIN_S``).  Without an endpoint
-          (a worker-wide receive), on a closed one, or on one whose peer
+          (a worker-wide receive), on a closed one, on one whose peer
           reaches this process's memory by itself
-          (``Endpoint.direct_access``), it is parked instead.
+          (``Endpoint.direct_access``), or on one still carrying a send
+          over TCP (``Endpoint._tcp_send_in_flight``: UCX 1.22 would crash
+          later), it is parked instead.
 
         Returns ``(released, detail)``: whether UCX let go of the
         operation's buffers, and what happened, in words (for the error
@@ -826,8 +828,8 @@ class Engine:
         ``entry`` ``(slot, keep, holds)``: force-close ``ep`` and drain the
         slot.  None when UCX let go of it (its slot released), else why it
         still holds it (and the operation is parked)."""
-        why = self._why_not_release(ep, on_timeout)
         slot = entry[0]
+        why = self._why_not_release(ep, on_timeout, slot)
         # Parked while the endpoint closes: the remote keys closed with it
         # see the operation that uses them (holding) and wait for it.
         self.parked.append(entry)
@@ -843,8 +845,9 @@ class Engine:
         _slot_release(slot)
         return None
 
-    def _why_not_release(self, ep, on_timeout: str | None) -> str | None:
-        """Why ``on_timeout`` does not release over ``ep`` (None: it does)."""
+    def _why_not_release(self, ep, on_timeout: str | None, slot=None) -> str | None:
+        """Why ``on_timeout`` does not release ``slot``'s operation over
+        ``ep`` (None: it does)."""
         if on_timeout is None:
             on_timeout = self.context.on_timeout if ep is None else ep.on_timeout
         if on_timeout != "release":
@@ -864,7 +867,9 @@ class Engine:
                 "the peer reaches this process's memory by itself: closing "
                 "the endpoint would not stop it, so it was left open"
             )
-        return None
+        # A send blocked on a TCP socket: UCX 1.22 would crash after the
+        # force close (Endpoint._tcp_send_in_flight).
+        return ep._tcp_send_in_flight(slot)
 
     # -- closing ------------------------------------------------------------------
 

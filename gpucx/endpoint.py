@@ -431,6 +431,33 @@ class Endpoint(Handle):
             names.update(part.split("/")[0] for part in row.config.split(","))
         return sorted(n for n in names if n.strip().startswith(_DIRECT_ACCESS))
 
+    def _tcp_send_in_flight(self, slot=None) -> str | None:
+        """What a force close of this endpoint must not meet, or None: a send
+        (tag, AM, stream, put) that UCX still carries over a ``tcp`` lane,
+        ``slot`` (an operation being given up) or another operation pending
+        on the endpoint, as UCX names it (``ucp_request_query``).
+
+        UCX 1.22 crashes this process (use after free in
+        ``uct_tcp_iface_handle_events``) when an endpoint made from a worker
+        address is force-closed with such a send blocked on its socket and
+        the peer closes its side later: docs/reliability.md, "Known UCX
+        limitation".
+        """
+        rows = [] if slot is None else [_protocols.request_protocol(slot)]
+        rows += [r.protocol for r in self._engine.pending if r._ep is self]
+        for row in rows:
+            if row is not None and row.op in _SENDS and "tcp/" in row.config:
+                return (
+                    f"endpoint {self.peer} carries a {row.operation} of "
+                    f"{row.start} bytes over {row.config} ({row.description}) "
+                    "that UCX could not finish: force-closing it would let "
+                    "UCX 1.22 crash this process once the peer closes its "
+                    "side (use after free in uct_tcp_iface_handle_events, "
+                    'docs/reliability.md "Known UCX limitation"), so it was '
+                    "left open"
+                )
+        return None
+
     def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
         """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
         UCX lets go of everything it holds on it; ``reason`` says why.
@@ -792,6 +819,11 @@ def _on_abort(msg) -> None:
     if ep is not None:
         ep.fail(_ABORTED_BY_PEER)
 
+
+#: Operations (gpucx.protocols.OPERATIONS keys) that carry this side's data
+#: to the peer: what a force close must not cut over TCP
+#: (Endpoint._tcp_send_in_flight).
+_SENDS = frozenset({"tag", "tag_sync", "am", "am_reply", "stream", "put", "rndv_send"})
 
 #: Transports (name prefixes) through which a peer reaches this process's
 #: memory by itself, without this endpoint (Endpoint.direct_access).
