@@ -6,6 +6,7 @@ import os
 import time
 
 from . import _address
+from . import _heartbeat as _hb
 from . import protocols as _protocols
 from ._engine import INPROGRESS, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
@@ -60,7 +61,7 @@ class Endpoint(Handle):
     #: buffers (``on_timeout="release"``), or None.
     _released_reason: str | None = None
 
-    def __init__(self, worker, state, peer: str):
+    def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
         self._w = worker
         # The worker's progress engine (gpucx._engine): what the operations
@@ -70,11 +71,19 @@ class Endpoint(Handle):
         self._h = state.ep
         self.peer = peer
         worker._adopt(self)
-        am = self._engine.am
+        e = self._engine
+        am = e.am
         if am is not None and am.enabled and ABORT_AM_ID not in am.handlers:
             # The notice a peer's abort() sends (a worker with endpoints
-            # of its own is the one that can be told).
-            _am.set_internal_handler(self._engine, ABORT_AM_ID, _on_abort)
+            # of its own is the one that can be told), and the heartbeat
+            # (gpucx._heartbeat): a ping is answered when this worker
+            # dispatches, a pong says the peer was heard.
+            _am.set_internal_handler(e, ABORT_AM_ID, _on_abort)
+            _am.set_internal_handler(e, PING_AM_ID, _on_ping)
+            _am.set_internal_handler(e, PONG_AM_ID, _pong_handler(e))
+            e.ping = _send_ping
+        if hear:  # the peer may run gpucx, and answer pings
+            e.hear(self, self._fell_silent)
 
     @classmethod
     def _connect(cls, worker, address, error_handling: bool, raw: bool = False):
@@ -112,7 +121,9 @@ class Endpoint(Handle):
         exc = ep_create_error(st, peer, by_address=not isinstance(address, tuple))
         if exc is not None:
             raise exc
-        ep = cls(worker, state, peer)
+        # A (host, port) or a gpucx worker address: the peer may run gpucx,
+        # and answer the heartbeat (never a raw address).
+        ep = cls(worker, state, peer, isinstance(address, tuple) or ident is not None)
         ep._peer_mode = error_handling
         ep._sockaddr = isinstance(address, tuple)
         if ident is not None and ident.pid != os.getpid() and _address.is_local(ident):
@@ -128,7 +139,7 @@ class Endpoint(Handle):
             lib.gpucx_ep_create_conn(worker._engine.state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
-        ep = cls(worker, state, peer)
+        ep = cls(worker, state, peer, hear=True)
         ep._peer_mode = error_handling
         return ep
 
@@ -189,6 +200,18 @@ class Endpoint(Handle):
         fails this endpoint (:meth:`_peer_died`)."""
         self._engine.watch(self, pid, start_time, self._state, self._peer_died)
 
+    def _fell_silent(self, reason: str) -> None:
+        """The peer, which answered the heartbeat once (gpucx._heartbeat),
+        fell silent for ``GPUCX_PEER_TIMEOUT`` while operations on this
+        endpoint waited for it: fail this endpoint
+        with ``reason`` (PeerError for every pending operation) after
+        sending the peer the abort notice, so that its own operations with
+        this side fail at once when it runs again."""
+        if self._h is None:
+            return
+        self._notify_abort()
+        self._peer_died(reason)
+
     def _peer_died(self, reason: str) -> None:
         """gpucx found the peer, a process of this host, dead (the engine's
         liveness check, :mod:`gpucx._liveness`): fail this endpoint with
@@ -204,6 +227,7 @@ class Endpoint(Handle):
         waits on the endpoint raise PeerError (``Engine.block``).
         """
         e = self._engine
+        e.unhear(self)
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -551,6 +575,7 @@ class Endpoint(Handle):
         deadline = self._deadline
         alive = e.peer_alive(self)
         e.unwatch(self)
+        e.unhear(self)
         force = (
             getattr(self, "_force", False)
             or self._state.error != lib.UCS_OK
@@ -640,6 +665,9 @@ def _check_worker_address(blob: bytes, local: bytes) -> None:
 
 #: The reserved active-message id of Endpoint.abort's notice to the peer.
 ABORT_AM_ID = 0xFF30
+#: The heartbeat's ping and pong (gpucx._heartbeat).
+PING_AM_ID = _hb.PING_AM_ID
+PONG_AM_ID = _hb.PONG_AM_ID
 #: How long Endpoint.abort gives its notice to leave before the force close.
 ABORT_NOTICE_S = 0.005
 #: What a peer's abort notice fails the endpoint with.
@@ -654,6 +682,38 @@ def _on_abort(msg) -> None:
     ep = msg.reply_ep
     if ep is not None:
         ep.fail(_ABORTED_BY_PEER)
+
+
+def _send_ping(ep, token: bytes):
+    """The engine's ``ping`` hook (gpucx._heartbeat): ask ``ep``'s peer for a
+    pong carrying ``token``; the request, or None when the endpoint cannot
+    send (it failed meanwhile: nothing to ask)."""
+    try:
+        return _am.send_internal_nb(ep, PING_AM_ID, b"", header=token, reply=True)
+    except UCXError:
+        return None
+
+
+def _on_ping(msg) -> None:
+    """A peer's heartbeat ping: answer on the endpoint it came on (this
+    handler runs only when this worker dispatches, i.e. progresses)."""
+    ep = msg.reply_ep
+    if ep is None or ep.closed:
+        return
+    try:
+        _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
+    except UCXError:
+        pass  # the endpoint failed meanwhile: the peer learns from that
+
+
+def _pong_handler(e):
+    """The handler of the answers to engine ``e``'s heartbeat pings: the
+    peer of the endpoint named by the token it carries was heard now."""
+
+    def on_pong(msg) -> None:
+        e.heard(msg.header)
+
+    return on_pong
 
 
 #: Transports (name prefixes) through which a peer reaches this process's
