@@ -122,8 +122,20 @@ def collect() -> dict:
         "peer_timeout": {
             "seconds": peer_timeout,
             "options": _peer_timeout(tuned, peer_timeout),
+            "heartbeat": _heartbeat(peer_timeout),
         },
     }
+
+
+def _heartbeat(seconds: float) -> str:
+    """What gpucx's own heartbeat does at ``GPUCX_PEER_TIMEOUT`` ``seconds``
+    (gpucx/_heartbeat.py)."""
+    if seconds <= 0:
+        return "off"
+    return (
+        f"a gpucx peer that operations wait on is pinged every {0.2 * seconds:g} s "
+        f"of silence and fails them after {seconds:g} s without an answer"
+    )
 
 
 def _tuned(applied: dict[str, str]) -> list[dict]:
@@ -217,6 +229,8 @@ def format_info(info: dict) -> str:
         for t in peer["options"]:
             lines.append(f"  {t['option']}={t['value']}: {t['state']}")
             lines.append(f"    {t['why']}")
+        if "heartbeat" in peer:
+            lines.append(f"  heartbeat: {peer['heartbeat']}")
     lines.append("transports   (transport/device, memory domain)")
     for d in info["domains"]:
         for t, dev in d["transports"]:

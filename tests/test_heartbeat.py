@@ -195,3 +195,12 @@ def test_raw_endpoints_are_never_pinged():
         raw.close()
         framed.close()
         assert not a._engine.beats
+
+
+def test_info_says_what_the_heartbeat_does():
+    """`gpucx info` (text and --json) says the heartbeat's period and
+    deadline at GPUCX_PEER_TIMEOUT, and "off" at 0."""
+    from gpucx import info
+
+    assert info._heartbeat(0) == "off"
+    assert "every 2 s" in info._heartbeat(10) and "after 10 s" in info._heartbeat(10)
