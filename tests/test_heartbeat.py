@@ -34,7 +34,8 @@ def _peer(q_in, q_out, mode: str) -> None:
         w = ctx.create_worker()
         addr = q_in.get()
         ep = None if mode == "no-endpoint" else w.connect(addr)
-        q_out.put((os.getpid(), w.address))
+        region = ctx.allocate(BIG)  # what the test gets
+        q_out.put((os.getpid(), w.address, region.remote().to_bytes()))
         if mode == "late-recv":
             end = time.monotonic() + 3 * T
             while time.monotonic() < end:
@@ -69,8 +70,10 @@ def pair(monkeypatch):
     GPUCX_PEER_TIMEOUT=T; the peer is thawed and joined at the end."""
     made = []
 
-    def make(mode="progress", timeout=T):
+    def make(mode="progress", timeout=T, tls=None):
         monkeypatch.setenv("GPUCX_PEER_TIMEOUT", str(timeout))
+        if tls is not None:
+            monkeypatch.setenv("UCX_TLS", tls)
         spawn = mp.get_context("spawn")
         q_in, q_out = spawn.Queue(), spawn.Queue()
         proc = spawn.Process(target=_peer, args=(q_in, q_out, mode))
@@ -79,8 +82,9 @@ def pair(monkeypatch):
         w = ctx.create_worker()
         made.append((ctx, proc, q_in))
         q_in.put(w.address)
-        pid, address = q_out.get(timeout=30)
+        pid, address, remote = q_out.get(timeout=30)
         ep = w.connect(address)
+        ep.remote = remote  # for "get"
         return w, ep, proc, q_in, q_out
 
     yield make
@@ -94,6 +98,31 @@ def pair(monkeypatch):
         ctx.close()
 
 
+def _serves_another_peer(w) -> None:
+    """A round trip with a fresh worker of this process."""
+    ctx = w._context
+    with ctx.create_worker() as other:
+        there, back = w.connect(other.address), other.connect(w.address)
+        out, into = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+        reqs = [other.recv_nb(into, tag=3), there.send_nb(out, tag=3)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs) and time.monotonic() < end:
+            w.progress()
+            other.progress()
+        for r in reqs:
+            r.result()
+        assert (into == out).all()
+        there.close(force=True)
+        back.close(force=True)
+
+
+def _answered_once(w, ep) -> None:
+    """Wait briefly on the peer, so that it answers a ping (a peer that
+    never answered is never failed)."""
+    with pytest.raises(gpucx.TimeoutError):
+        w.recv_nb(np.empty(8, np.uint8), tag=99).wait(0.3, ep=ep)
+
+
 def _freeze_later(pid: int, after: float) -> threading.Timer:
     t = threading.Timer(after, os.kill, (pid, signal.SIGSTOP))
     t.start()
@@ -105,27 +134,36 @@ def _post(kind: str, w, ep):
     of its memory, a receive of its message (with its endpoint)."""
     if kind == "send":
         return lambda: ep.send(np.ones(BIG, np.uint8), tag=1, timeout=10)
+    if kind == "get":
+        key = ep.unpack(ep.remote)
+        return lambda: ep.get(np.empty(BIG, np.uint8), key, timeout=10)
     if kind == "recv":
         return lambda: w.recv_nb(np.empty(16, np.uint8), tag=1).wait(10, ep=ep)
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["send", "recv"])
+@pytest.mark.parametrize("kind", ["send", "get", "recv"])
 def test_frozen_local_peer_fails_what_waits_on_it(pair, kind):
     """The peer is stopped (SIGSTOP) while this side waits on it: PeerError
     naming the silence within about T; once thawed, the peer's own pending
     operation fails at once through the abort notice."""
-    w, ep, proc, q_in, q_out = pair()
-    _freeze_later(proc.pid, 0.3)
+    # Over shared memory a get is a CMA read that needs no peer: over TCP
+    # UCX asks the peer's progress for the data.
+    w, ep, proc, q_in, q_out = pair(tls="tcp" if kind == "get" else None)
+    op = _post(kind, w, ep)
+    _answered_once(w, ep)
+    os.kill(proc.pid, signal.SIGSTOP)
     t = time.monotonic()
     with pytest.raises(gpucx.PeerError, match="did not answer for 1 s"):
-        _post(kind, w, ep)()
-    took = time.monotonic() - t - 0.3
-    # Counted from the last answer, up to PING_AFTER * T before the stop.
-    assert 0.7 * T <= took < T + 1.0, took
-    # The endpoint stays failed; the worker serves on.
+        op()
+    took = time.monotonic() - t
+    # Counted from the peer's last answer (during the short wait, up to
+    # PING_AFTER * T before this one), looked at every T/10.
+    assert 0.6 * T <= took < T + 1.0, took
+    # The endpoint stays failed; the worker serves another peer.
     with pytest.raises(gpucx.PeerError):
         ep.send(np.ones(8, np.uint8), tag=2)
+    _serves_another_peer(w)
     os.kill(proc.pid, signal.SIGCONT)
     q_in.put("done")
     name, seconds = q_out.get(timeout=20)
