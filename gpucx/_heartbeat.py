@@ -28,7 +28,7 @@ Costs and rules:
   The first ping goes as soon as an operation waits, so a progressing peer
   proves itself within a round trip.
 * The silence is counted only while this side looked: when this process
-  itself did not check for a quarter of the timeout (it was frozen or busy
+  itself did not check for half the timeout (it was frozen or busy
   itself), every clock starts again, so a process that comes back from a
   stop does not blame its peers for its own absence.
 
@@ -111,7 +111,7 @@ def check(engine, ep=None) -> None:
         return
     timeout = engine.context.peer_timeout
     step = interval(timeout)
-    absent = now - engine.beat_at > timeout / 4  # this side did not look
+    absent = now - engine.beat_at > timeout / 2  # this side did not look
     engine.beat_at = now + step
     beats = engine.beats
     busy = set()

@@ -79,7 +79,7 @@ class Endpoint(Handle):
             # (gpucx._heartbeat): a ping is answered when this worker
             # dispatches, a pong says the peer was heard.
             _am.set_internal_handler(e, ABORT_AM_ID, _on_abort)
-            _am.set_internal_handler(e, PING_AM_ID, _on_ping)
+            _am.set_internal_handler(e, PING_AM_ID, _ping_handler(e))
             _am.set_internal_handler(e, PONG_AM_ID, _pong_handler(e))
             e.ping = _send_ping
         if hear:  # the peer may run gpucx, and answer pings
@@ -694,16 +694,24 @@ def _send_ping(ep, token: bytes):
         return None
 
 
-def _on_ping(msg) -> None:
-    """A peer's heartbeat ping: answer on the endpoint it came on (this
-    handler runs only when this worker dispatches, i.e. progresses)."""
-    ep = msg.reply_ep
-    if ep is None or ep.closed:
-        return
-    try:
-        _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
-    except UCXError:
-        pass  # the endpoint failed meanwhile: the peer learns from that
+def _ping_handler(e):
+    """The handler of peers' heartbeat pings to engine ``e``'s worker: answer
+    on the endpoint the ping came on.  It runs only when this worker
+    dispatches its active messages, i.e. when it progresses.  The answer
+    is the heartbeat's own request, no wait of the user's (``beat_reqs``)."""
+
+    def on_ping(msg) -> None:
+        ep = msg.reply_ep
+        if ep is None or ep.closed:
+            return
+        try:
+            req = _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
+        except UCXError:
+            return  # the endpoint failed meanwhile: the peer learns from that
+        if not req.done():
+            e.beat_reqs.append(req)
+
+    return on_ping
 
 
 def _pong_handler(e):
