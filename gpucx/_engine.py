@@ -156,7 +156,7 @@ class Engine:
         request -> (reason, until); see ``Endpoint._peer_died``.
     watched, pidfds, pset, pfd, peer_interval, peer_check_at, peer_tick
         Liveness of peers on this host (:meth:`watch`, ``gpucx._liveness``).
-    beats, beat_tokens, beat_token, beat_at, beat_reqs, ping
+    beats, beat_tokens, beat_token, beat_at, ping
         The heartbeat of peers that operations wait on (:meth:`hear`,
         ``gpucx._heartbeat``); ``ping(ep, token)`` sends one (the endpoint
         module's hook; None: no ``"am"`` feature, no heartbeat).
@@ -200,7 +200,6 @@ class Engine:
         "beat_tokens",
         "beat_token",
         "beat_at",
-        "beat_reqs",
         "ping",
         "am",
         "amq",
@@ -259,14 +258,14 @@ class Engine:
         self.peer_check_at = 0.0
         self.peer_tick = _live.PROGRESS_STRIDE
         # The heartbeat (gpucx._heartbeat): endpoint -> Beat, token ->
-        # endpoint, the last token given, when to look next, the pings in
-        # flight; on only once the endpoint module installed ping() and
-        # GPUCX_PEER_TIMEOUT is not 0.
-        self.beats: dict = {}
-        self.beat_tokens: dict = {}
+        # endpoint, the last token given, when to look next; on only once
+        # the endpoint module installed ping() and GPUCX_PEER_TIMEOUT is not
+        # 0.
+        # (weak: an endpoint nobody holds is collected and closed as ever)
+        self.beats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.beat_tokens: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.beat_token = 0
         self.beat_at = 0.0
-        self.beat_reqs: list = []
         self.ping: Callable[[Any, bytes], Any] | None = None
         self.am = None
         self.amq = None
@@ -505,6 +504,10 @@ class Engine:
     def unhear(self, ep) -> None:
         """Stop the heartbeat of ``ep``'s peer (closed, or failed)."""
         _hb.unhear(self, ep)
+
+    def let_go(self, req) -> None:
+        """Park a heartbeat message nobody waits for (``gpucx._heartbeat``)."""
+        _hb.let_go(self, req)
 
     def heard(self, token: bytes) -> None:
         """A pong carrying ``token`` arrived (its handler)."""

@@ -25,8 +25,9 @@ Costs and rules:
   ones), and only one that *answered a ping once* on this endpoint is ever
   failed for silence: a peer that is not gpucx (ucxx), or whose context has
   no ``"am"`` feature, never answers and is never failed by this check.
-  The first ping goes as soon as an operation waits, so a progressing peer
-  proves itself within a round trip.
+  The first ping goes once an operation has waited 0.2 T (a short wait,
+  such as a new endpoint's wireup, pings nobody), so a progressing peer
+  proves itself within 0.2 T of a longer wait.
 * The silence is counted only while this side looked: when this process
   itself did not check for half the timeout (it was frozen or busy
   itself), every clock starts again, so a process that comes back from a
@@ -38,6 +39,7 @@ Every function here takes the worker's engine (:mod:`gpucx._engine`).
 from __future__ import annotations
 
 import time
+import weakref
 
 from ._lib import lib
 
@@ -58,11 +60,12 @@ class Beat:
 
     def __init__(self, token: int, on_silence):
         self.token = token
-        #: on_silence(reason): what fails the endpoint.
-        self.on_silence = on_silence
+        #: on_silence(reason): what fails the endpoint (a weak method: the
+        #: engine must not keep an endpoint nobody holds alive).
+        self.on_silence = weakref.WeakMethod(on_silence)
         #: When the peer was last heard (or the wait began).
         self.heard = 0.0
-        #: The outstanding ping's request (None: none outstanding).
+        #: When the outstanding ping went (None: none outstanding).
         self.ping = None
         #: The peer answered a ping once: it runs gpucx and can answer.
         self.answered = False
@@ -102,6 +105,18 @@ def answered(engine, token: bytes) -> None:
         b.ping = None
 
 
+def let_go(engine, req) -> None:
+    """Nobody waits for the heartbeat's own messages (a ping, a pong): one
+    UCX still holds is parked with the engine (its header kept alive), which
+    frees it once UCX lets go, so that it is never a pending operation of
+    the endpoint (a wait, or something its close waits for)."""
+    if req._slot.status != _INPROGRESS:
+        req.done()  # finished: complete it now (no progress call)
+    else:
+        engine.untrack(req)
+        engine.park(req._slot, req._keep)
+
+
 def check(engine, ep=None) -> None:
     """Ping the peers that operations wait on, and fail those that answered
     once but not for ``context.peer_timeout`` seconds.  ``ep``: the endpoint
@@ -117,18 +132,9 @@ def check(engine, ep=None) -> None:
     busy = set()
     if ep is not None and ep in beats:
         busy.add(ep)
-    own = engine.beat_reqs
-    if own:
-        own[:] = [r for r in own if not r.done()]
     for r in engine.pending:
         e = r._ep
-        # A ping still queued towards the peer is no wait of the user's.
-        if (
-            e is not None
-            and r._slot.status == _INPROGRESS
-            and e in beats
-            and (not own or all(r is not p for p in own))
-        ):
+        if e is not None and r._slot.status == _INPROGRESS and e in beats:
             busy.add(e)
     for e, b in list(beats.items()):
         if e not in busy:
@@ -145,11 +151,15 @@ def check(engine, ep=None) -> None:
         silent = now - b.heard
         if b.answered and silent >= timeout:
             unhear(engine, e)
-            b.on_silence(
+            fail = b.on_silence()
+            if fail is None:  # pragma: no cover - the endpoint is being collected
+                continue
+            fail(
                 f"the peer did not answer for {timeout:g} s: frozen, or not "
                 "progressing (GPUCX_PEER_TIMEOUT; docs/reliability.md)"
             )
-        elif b.ping is None and (not b.answered or silent >= PING_AFTER * timeout):
-            b.ping = engine.ping(e, b.token.to_bytes(8, "little"))
-            if b.ping is not None:
-                own.append(b.ping)
+        elif b.ping is None and silent >= PING_AFTER * timeout:
+            req = engine.ping(e, b.token.to_bytes(8, "little"))
+            if req is not None:
+                b.ping = now
+                let_go(engine, req)

@@ -698,7 +698,7 @@ def _ping_handler(e):
     """The handler of peers' heartbeat pings to engine ``e``'s worker: answer
     on the endpoint the ping came on.  It runs only when this worker
     dispatches its active messages, i.e. when it progresses.  The answer
-    is the heartbeat's own request, no wait of the user's (``beat_reqs``)."""
+    is the heartbeat's own message, which nobody waits for (``let_go``)."""
 
     def on_ping(msg) -> None:
         ep = msg.reply_ep
@@ -708,8 +708,7 @@ def _ping_handler(e):
             req = _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
         except UCXError:
             return  # the endpoint failed meanwhile: the peer learns from that
-        if not req.done():
-            e.beat_reqs.append(req)
+        e.let_go(req)
 
     return on_ping
 

@@ -271,7 +271,8 @@ def unanswered(side: str, host: str, seconds: str) -> None:
     """A rendezvous send to a peer that takes nothing while frozen.
 
     Side "a" listens and sends 8 MiB (tag 7) once connected, progressing
-    0.5 s (the heartbeat's first ping is answered) before it says "posted";
+    1 s (the heartbeat's first ping, after 0.2 T, is answered) before it
+    says "posted";
     side "b" connects and progresses until the test speaks (it is frozen
     meanwhile).  Told "watch" with a monotonic time, side "a" progresses
     for at most ``seconds`` and reports whether the send ended, how
@@ -287,7 +288,7 @@ def unanswered(side: str, host: str, seconds: str) -> None:
             ep = lst.accept(timeout=TIMEOUT)
             _round_trip(w, ep, side)
             req = ep.send_nb(payload(8 * MIB, 5), tag=7)
-            end = time.monotonic() + 0.5
+            end = time.monotonic() + 1.0
             while time.monotonic() < end:
                 w.progress()
             put(["posted", ctx.tuned])

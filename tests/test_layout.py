@@ -390,7 +390,7 @@ _REACH_CEILING = {
     "_bounds.py": 2,
     "_engine.py": 16,
     "_handle.py": 13,
-    "_heartbeat.py": 2,
+    "_heartbeat.py": 5,
     "_internal.py": 10,
     "context.py": 6,
     "endpoint.py": 28,
