@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from . import _heartbeat as _hb
 from . import _liveness as _live
 from ._handle import raise_closed
 from ._lib import ffi, lib
@@ -161,6 +162,10 @@ class Engine:
         request -> (reason, until); see ``Endpoint._peer_died``.
     watched, pidfds, pset, pfd, peer_interval, peer_check_at, peer_tick
         Liveness of peers on this host (:meth:`watch`, ``gpucx._liveness``).
+    beats, beat_tokens, beat_token, beat_at, ping
+        The heartbeat of peers that operations wait on (:meth:`hear`,
+        ``gpucx._heartbeat``); ``ping(ep, token)`` sends one (the endpoint
+        module's hook; None: no ``"am"`` feature, no heartbeat).
     am, amq, notify_q, notify_handler, amo_ok, copies, copy_streams
         What the operations keep per worker (``gpucx.ops.am``, ``.rma``,
         ``.atomic``, ``.ipc``), written by those modules.
@@ -199,6 +204,11 @@ class Engine:
         "peer_interval",
         "peer_check_at",
         "peer_tick",
+        "beats",
+        "beat_tokens",
+        "beat_token",
+        "beat_at",
+        "ping",
         "am",
         "amq",
         "notify_q",
@@ -260,6 +270,16 @@ class Engine:
         self.peer_interval = peer_interval
         self.peer_check_at = 0.0
         self.peer_tick = _live.PROGRESS_STRIDE
+        # The heartbeat (gpucx._heartbeat): endpoint -> Beat, token ->
+        # endpoint, the last token given, when to look next; on only once
+        # the endpoint module installed ping() and GPUCX_PEER_TIMEOUT is not
+        # 0.
+        # (weak: an endpoint nobody holds is collected and closed as ever)
+        self.beats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.beat_tokens: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self.beat_token = 0
+        self.beat_at = 0.0
+        self.ping: Callable[[Any, bytes], Any] | None = None
         self.am = None
         self.amq = None
         self.notify_q = None
@@ -487,14 +507,18 @@ class Engine:
             n &= _COUNT
         if self.copies:
             self.on_copies(self)
-        if self.watched or self.parked:
-            # Peers on this host, or operations UCX still held when their
-            # endpoint failed: look at them now and then (a loop of
-            # progress() alone must also free what UCX lets go of).
+        if self.watched or self.parked or (self.beats and self.pending):
+            # Peers on this host, operations UCX still held when their
+            # endpoint failed, or requests waiting on heard peers: look at
+            # them now and then (a loop of progress() alone must also free
+            # what UCX lets go of, and ping the peers it waits for).
             self.peer_tick -= 1
             if self.peer_tick <= 0:
                 self.peer_tick = _live.PROGRESS_STRIDE
-                _live.check(self)
+                if self.watched or self.parked:
+                    _live.check(self)
+                if self.beats:
+                    _hb.check(self)
         return n
 
     def run_due(self, due: int) -> None:
@@ -540,6 +564,27 @@ class Engine:
     def check_peer(self, ep) -> bool:
         """Look at ``ep``'s peer now: True (and ``ep`` failed) if it died."""
         return _live.check_peer(self, ep)
+
+    def hear(self, ep, on_silence) -> None:
+        """Check that ``ep``'s peer progresses while operations on ``ep``
+        wait (a heartbeat, ``gpucx._heartbeat``); ``on_silence(reason)``
+        fails the endpoint when the peer, which answered once, fell silent
+        for ``GPUCX_PEER_TIMEOUT``.  Nothing without the ``"am"`` feature
+        (no ``ping``) or with the timeout 0."""
+        if self.ping is not None and self.context.peer_timeout > 0:
+            _hb.hear(self, ep, on_silence)
+
+    def unhear(self, ep) -> None:
+        """Stop the heartbeat of ``ep``'s peer (closed, or failed)."""
+        _hb.unhear(self, ep)
+
+    def let_go(self, req) -> None:
+        """Park a heartbeat message nobody waits for (``gpucx._heartbeat``)."""
+        _hb.let_go(self, req)
+
+    def heard(self, token: bytes) -> None:
+        """A pong carrying ``token`` arrived (its handler)."""
+        _hb.answered(self, token)
 
     def peer_alive(self, ep) -> bool:
         """False when ``ep``'s peer is a process of this host that died."""
@@ -643,15 +688,17 @@ class Engine:
                 st = self._spin_due(slot, self.spin_ns, deadline)
             while st == INPROGRESS:
                 self.poll_events()
+                if self.beats:  # the peer must show it progresses
+                    _hb.check(self, ep)
                 if (
                     ep is not None
                     and ep.closed
                     and slot.status == INPROGRESS
                     and ep.error is not None
                 ):
-                    # The peer died: PeerError.  (A same-host endpoint
-                    # closed with this operation pending has no error: UCX
-                    # still does it, Engine.park_endpoint.)
+                    # The peer died or fell silent: PeerError.  (A same-host
+                    # endpoint closed with this operation pending has no
+                    # error: UCX still does it, Engine.park_endpoint.)
                     raise_closed(ep)
                 ms = slice_ms(deadline, timeout, "operation did not complete")
                 st = lib.gpucx_wait_sleep(self.h, self.efd, self.pfd, slot, ms)
@@ -722,6 +769,8 @@ class Engine:
                 if woke == -_PEER_EXITED:
                     _live.check(self, force=True)
                 self.poll_events()
+                if self.beats:
+                    _hb.check(self)
             # What arrived comes first: a reply and the peer's going away
             # can land in one progress call (a server that answers and
             # closes), and the reply is the answer.

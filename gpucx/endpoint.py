@@ -7,6 +7,7 @@ import os
 import time
 
 from . import _address
+from . import _heartbeat as _hb
 from . import protocols as _protocols
 from ._engine import INPROGRESS, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
@@ -67,7 +68,7 @@ class Endpoint(Handle):
     #: buffers (``on_timeout="release"``), or None.
     _released_reason: str | None = None
 
-    def __init__(self, worker, state, peer: str):
+    def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
         self._w = worker
         # The worker's progress engine (gpucx._engine): what the operations
@@ -77,11 +78,19 @@ class Endpoint(Handle):
         self._h = state.ep
         self.peer = peer
         worker._adopt(self)
-        am = self._engine.am
+        e = self._engine
+        am = e.am
         if am is not None and am.enabled and ABORT_AM_ID not in am.handlers:
             # The notice a peer's abort() sends (a worker with endpoints
-            # of its own is the one that can be told).
-            _am.set_internal_handler(self._engine, ABORT_AM_ID, _on_abort)
+            # of its own is the one that can be told), and the heartbeat
+            # (gpucx._heartbeat): a ping is answered when this worker
+            # dispatches, a pong says the peer was heard.
+            _am.set_internal_handler(e, ABORT_AM_ID, _on_abort)
+            _am.set_internal_handler(e, PING_AM_ID, _ping_handler(e))
+            _am.set_internal_handler(e, PONG_AM_ID, _pong_handler(e))
+            e.ping = _send_ping
+        if hear:  # the peer may run gpucx, and answer pings
+            e.hear(self, self._fell_silent)
 
     @classmethod
     def _connect(
@@ -133,7 +142,9 @@ class Endpoint(Handle):
         exc = ep_create_error(st, peer, by_address=not isinstance(address, tuple))
         if exc is not None:
             raise exc
-        ep = cls(worker, state, peer)
+        # A (host, port) or a gpucx worker address: the peer may run gpucx,
+        # and answer the heartbeat (never a raw address).
+        ep = cls(worker, state, peer, isinstance(address, tuple) or ident is not None)
         ep._connected(error_handling, isinstance(address, tuple), same_host, ident)
         return ep
 
@@ -154,7 +165,7 @@ class Endpoint(Handle):
             lib.gpucx_ep_create_conn(worker._engine.state, conn_request, mode, state),
             "ucp_ep_create(conn_request)",
         )
-        ep = cls(worker, state, peer)
+        ep = cls(worker, state, peer, hear=True)
         ep._peer_mode = error_handling
         return ep
 
@@ -223,7 +234,28 @@ class Endpoint(Handle):
         self._peer_id = (pid, start_time)
         self._engine.watch(self, pid, start_time, self._state, self._peer_died)
 
-    def _peer_died(self, reason: str) -> None:
+    def _fell_silent(self, reason: str) -> None:
+        """The peer, which answered the heartbeat once (gpucx._heartbeat),
+        fell silent for ``GPUCX_PEER_TIMEOUT`` while operations on this
+        endpoint waited for it: fail this endpoint
+        with ``reason`` (PeerError for every pending operation) after
+        sending the peer the abort notice, so that its own operations with
+        this side fail at once when it runs again."""
+        if self._h is None:
+            return
+        self._notify_abort()
+        # Over TCP a send may be stuck on the socket towards the silent
+        # peer, and a force close then lets UCX 1.22 crash this process
+        # once the peer runs again and closes its side (docs/reliability.md,
+        # "Known UCX limitation"): there the UCX endpoint is left to the
+        # worker's destruction; the operations fail now all the same.
+        try:
+            tcp = any(name == "tcp" for name, _ in self.transports)
+        except UCXError:
+            tcp = True  # UCX cannot say: assume the worst
+        self._peer_died(reason, close=not tcp)
+
+    def _peer_died(self, reason: str, close: bool = True) -> None:
         """gpucx found the peer, a process of this host, dead (the engine's
         liveness check, :mod:`gpucx._liveness`): fail this endpoint with
         ``reason`` and close it in UCX.
@@ -236,8 +268,11 @@ class Endpoint(Handle):
         way, a tracked request UCX still holds is parked (its buffers stay
         alive until UCX lets go) and fails with PeerError, and blocking
         waits on the endpoint raise PeerError (``Engine.block``).
+        ``close=False`` leaves the UCX endpoint to the worker's destruction
+        also with peer error handling (the heartbeat over TCP).
         """
         e = self._engine
+        e.unhear(self)
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -246,7 +281,7 @@ class Endpoint(Handle):
         parent = self._parent  # the bookkeeping close() does for a closed child
         if parent is not None:
             parent._live -= 1
-        force = self._peer_mode and not e.multi
+        force = close and self._peer_mode and not e.multi
         if force:
             pending = [r for r in e.pending if r._slot.status == INPROGRESS]
             slot = new_slot()
@@ -713,6 +748,7 @@ class Endpoint(Handle):
         deadline = self._deadline
         alive = e.peer_alive(self)
         e.unwatch(self)
+        e.unhear(self)
         if self._same_host and alive and self._park_busy():
             return  # the engine closes it once UCX let go of its operations
         force = (
@@ -804,6 +840,9 @@ def _check_worker_address(blob: bytes, local: bytes) -> None:
 
 #: The reserved active-message id of Endpoint.abort's notice to the peer.
 ABORT_AM_ID = 0xFF30
+#: The heartbeat's ping and pong (gpucx._heartbeat).
+PING_AM_ID = _hb.PING_AM_ID
+PONG_AM_ID = _hb.PONG_AM_ID
 #: How long Endpoint.abort gives its notice to leave before the force close.
 ABORT_NOTICE_S = 0.005
 #: What a peer's abort notice fails the endpoint with.
@@ -824,6 +863,46 @@ def _on_abort(msg) -> None:
 #: to the peer: what a force close must not cut over TCP
 #: (Endpoint._tcp_send_in_flight).
 _SENDS = frozenset({"tag", "tag_sync", "am", "am_reply", "stream", "put", "rndv_send"})
+
+
+def _send_ping(ep, token: bytes):
+    """The engine's ``ping`` hook (gpucx._heartbeat): ask ``ep``'s peer for a
+    pong carrying ``token``; the request, or None when the endpoint cannot
+    send (it failed meanwhile: nothing to ask)."""
+    try:
+        return _am.send_internal_nb(ep, PING_AM_ID, b"", header=token, reply=True)
+    except UCXError:
+        return None
+
+
+def _ping_handler(e):
+    """The handler of peers' heartbeat pings to engine ``e``'s worker: answer
+    on the endpoint the ping came on.  It runs only when this worker
+    dispatches its active messages, i.e. when it progresses.  The answer
+    is the heartbeat's own message, which nobody waits for (``let_go``)."""
+
+    def on_ping(msg) -> None:
+        ep = msg.reply_ep
+        if ep is None or ep.closed:
+            return
+        try:
+            req = _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
+        except UCXError:
+            return  # the endpoint failed meanwhile: the peer learns from that
+        e.let_go(req)
+
+    return on_ping
+
+
+def _pong_handler(e):
+    """The handler of the answers to engine ``e``'s heartbeat pings: the
+    peer of the endpoint named by the token it carries was heard now."""
+
+    def on_pong(msg) -> None:
+        e.heard(msg.header)
+
+    return on_pong
+
 
 #: Transports (name prefixes) through which a peer reaches this process's
 #: memory by itself, without this endpoint (Endpoint.direct_access).

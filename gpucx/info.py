@@ -123,6 +123,7 @@ def collect() -> dict:
         "peer_timeout": {
             "seconds": peer_timeout,
             "options": _peer_timeout(tuned, peer_timeout),
+            "heartbeat": _heartbeat(peer_timeout),
         },
         "options": _options(options),
     }
@@ -149,6 +150,17 @@ def _options(values: dict) -> list[dict]:
             }
         )
     return rows
+
+
+def _heartbeat(seconds: float) -> str:
+    """What gpucx's own heartbeat does at ``GPUCX_PEER_TIMEOUT`` ``seconds``
+    (gpucx/_heartbeat.py)."""
+    if seconds <= 0:
+        return "off"
+    return (
+        f"a gpucx peer that operations wait on is pinged every {0.2 * seconds:g} s "
+        f"of silence and fails them after {seconds:g} s without an answer"
+    )
 
 
 def _tuned(applied: dict[str, str]) -> list[dict]:
@@ -242,6 +254,8 @@ def format_info(info: dict) -> str:
         for t in peer["options"]:
             lines.append(f"  {t['option']}={t['value']}: {t['state']}")
             lines.append(f"    {t['why']}")
+        if "heartbeat" in peer:
+            lines.append(f"  heartbeat: {peer['heartbeat']}")
     if info.get("options"):
         lines.append('gpucx options (docs/guide.md, "gpucx\'s options")')
         for t in info["options"]:

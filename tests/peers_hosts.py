@@ -161,11 +161,11 @@ def _round_trip(w, ep, side: str) -> None:
     assert np.array_equal(back, out)
 
 
-def _outcome(req, since: float):
+def _outcome(req, since: float, ep=None):
     """How a pending request ended: (exception class names, seconds after
-    ``since``)."""
+    ``since``); ``ep``: the endpoint of a receive (Request.wait's)."""
     try:
-        req.wait(TIMEOUT)
+        req.wait(TIMEOUT, ep=ep)
         names = ["ok"]
     except gpucx.UCXError as exc:
         names = [
@@ -270,11 +270,15 @@ def pending(side: str, host: str, nbytes: str, ops: str = "all") -> None:
 def unanswered(side: str, host: str, seconds: str) -> None:
     """A rendezvous send to a peer that takes nothing while frozen.
 
-    Side "a" listens and sends 8 MiB (tag 7) once connected; side "b"
-    connects and receives it only when the test says "receive".  Told
-    "watch", side "a" progresses for ``seconds`` and reports whether the
-    send ended and the endpoint's error; told "finish", it waits for the
-    send (the test has let "b" run again and receive).
+    Side "a" listens and sends 8 MiB (tag 7) once connected, progressing
+    1 s (the heartbeat's first ping, after 0.2 T, is answered) before it
+    says "posted";
+    side "b" connects and progresses until the test speaks (it is frozen
+    meanwhile).  Told "watch" with a monotonic time, side "a" progresses
+    for at most ``seconds`` and reports whether the send ended, how
+    (:func:`_outcome`) and the endpoint's error.  Told "receive" (thawed),
+    side "b" receives the send with its endpoint and reports how that
+    ended: the abort notice of "a" fails it at once.
     """
     with gpucx.Context() as ctx:
         w = ctx.create_worker()
@@ -284,25 +288,27 @@ def unanswered(side: str, host: str, seconds: str) -> None:
             ep = lst.accept(timeout=TIMEOUT)
             _round_trip(w, ep, side)
             req = ep.send_nb(payload(8 * MIB, 5), tag=7)
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                w.progress()
             put(["posted", ctx.tuned])
-            assert get() == "watch"
-            end = time.monotonic() + float(seconds)
+            _, since = get()
+            end = since + float(seconds)
             while time.monotonic() < end and not req.done():
                 w.progress()
                 time.sleep(0.001)
-            put(["watched", req.done(), repr(ep.error)])
-            assert get() == "finish"
-            req.wait(TIMEOUT)
-            put(["sent"])
+            done = req.done()
+            put(["watched", done, _outcome(req, since) if done else None])
         else:
             ep = w.connect((host, get()))
             _round_trip(w, ep, side)
             put(["connected"])
+            while not select.select([sys.stdin], [], [], 0.001)[0]:
+                w.progress()
             assert get() == "receive"
             buf = np.empty(8 * MIB, np.uint8)
-            w.recv(buf, tag=7, timeout=TIMEOUT)
-            assert np.array_equal(buf, payload(8 * MIB, 5))
-            put(["received"])
+            t = time.monotonic()
+            put(["received", _outcome(w.recv_nb(buf, tag=7), t, ep)])
         get()
 
 

@@ -291,29 +291,34 @@ def test_frozen_peer_fails_the_pending_operations_of_a_sender(hosts):
 
 
 @pytest.mark.timeout(30)
-def test_frozen_peer_that_is_sent_nothing_is_not_detected(hosts):
-    """What no timeout can see: a rendezvous send waits for a frozen peer
-    to fetch it, with no data in flight (the peer's kernel acknowledges
-    the request and every keepalive).  It stays pending for twice
-    GPUCX_PEER_TIMEOUT with the endpoint healthy, and completes once the
-    peer runs again.  Such operations end only at their ``timeout=``."""
+def test_frozen_peer_that_is_sent_nothing_is_detected_by_the_heartbeat(hosts):
+    """A rendezvous send waits for a frozen peer to fetch it, with no data
+    in flight: the peer's kernel acknowledges the request and every
+    keepalive, so TCP and UCX see nothing.  gpucx's heartbeat does: the
+    peer answered a ping before it froze, then nothing for
+    GPUCX_PEER_TIMEOUT (2 s), and the send fails with PeerError within
+    about that.  Once the peer runs again, its receive of that send fails
+    at once (the abort notice, or the closed connection)."""
     a, b = hosts
     env = {"GPUCX_PEER_TIMEOUT": "2"}
-    pa = a.python(PEERS, "unanswered", "a", a.address, "4", env=env)
+    pa = a.python(PEERS, "unanswered", "a", a.address, "6", env=env)
     pb = b.python(PEERS, "unanswered", "b", a.address, "0", env=env)
     _, port = pa.get()
     pb.put(port)
     assert pb.get() == ["connected"]
     assert pa.get()[0] == "posted"
     pb.freeze()
-    pa.put("watch")
-    _, done, error = pa.get(20)
-    assert not done and error == "None", (done, error)
+    frozen = time.monotonic()
+    pa.put(["watch", frozen])
+    _, done, outcome = pa.get(20)
+    assert done, outcome
+    names, seconds = outcome
+    assert "PeerError" in names and "did not answer for 2 s" in names[-1], names
+    assert seconds <= 2.0 + 1.0, seconds
     pb.thaw()
     pb.put("receive")
-    pa.put("finish")
-    assert pb.get() == ["received"]
-    assert pa.get() == ["sent"]
+    _, (names, seconds) = pb.get(20)
+    assert "PeerError" in names and seconds < 2.0, (names, seconds)
     pb.put(None)
     pa.put(None)
     pb.join(10)

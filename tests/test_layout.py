@@ -390,6 +390,7 @@ _REACH_CEILING = {
     "_bounds.py": 2,
     "_engine.py": 15,  # issue 35: ep._tcp_send_in_flight (release refusal)
     "_handle.py": 13,
+    "_heartbeat.py": 5,
     "_internal.py": 8,
     "context.py": 6,
     "endpoint.py": 27,  # issue 35: the endpoint's pending sends (r._ep)

@@ -1,0 +1,276 @@
+"""The heartbeat (gpucx/_heartbeat.py): a peer that stops progressing
+(SIGSTOP) while this side only waits for it fails the waiting operations
+with PeerError within about GPUCX_PEER_TIMEOUT; one that progresses, one
+that never answered, and the option 0 do not.  Two processes on this host
+(shared memory); tests/test_hosts.py has the case across hosts."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gpucx
+
+pytestmark = pytest.mark.timeout(60)
+
+T = 1.0
+BIG = 8 << 20
+
+
+def _peer(q_in, q_out, mode: str) -> None:
+    """The other side: connects back to the test's worker (so that it has an
+    endpoint, and answers pings), says its pid and address, then does what
+    the test says: "progress" (until told to stop; sends tag 1 then, and
+    waits for a receive from the test with its endpoint: the operation an
+    abort notice must fail), "late-recv" (progresses, receives the big
+    message only after 3 T)."""
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        addr = q_in.get()
+        ep = None if mode == "no-endpoint" else w.connect(addr)
+        region = ctx.allocate(BIG)  # what the test gets
+        q_out.put((os.getpid(), w.address, region.remote().to_bytes()))
+        if mode == "late-recv":
+            end = time.monotonic() + 3 * T
+            while time.monotonic() < end:
+                w.progress()
+                time.sleep(0.001)
+            buf = np.empty(BIG, np.uint8)
+            w.recv(buf, tag=1, timeout=10)
+            q_out.put("received")
+            q_in.get()
+            return
+        # Progress (answering pings) until the test has its answer, with a
+        # rendezvous send to the test pending (never received).
+        mine = ep.send_nb(np.ones(BIG, np.uint8), tag=8) if ep is not None else None
+        while q_in.empty():
+            w.progress()
+            time.sleep(0.001)
+        q_in.get()
+        if mine is None:
+            return
+        # Thawed: the send pending towards the test must fail at once (the
+        # abort notice, or UCX seeing the connection closed), not at its
+        # deadline.
+        t = time.monotonic()
+        try:
+            mine.wait(10)
+            q_out.put(["ok", time.monotonic() - t, ""])
+        except gpucx.UCXError as exc:
+            q_out.put([type(exc).__name__, time.monotonic() - t, str(exc)])
+        q_in.get()
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    """(worker, endpoint to the peer, peer process, queues) with
+    GPUCX_PEER_TIMEOUT=T; the peer is thawed and joined at the end."""
+    made = []
+
+    def make(mode="progress", timeout=T, tls=None):
+        monkeypatch.setenv("GPUCX_PEER_TIMEOUT", str(timeout))
+        if tls is not None:
+            monkeypatch.setenv("UCX_TLS", tls)
+        spawn = mp.get_context("spawn")
+        q_in, q_out = spawn.Queue(), spawn.Queue()
+        proc = spawn.Process(target=_peer, args=(q_in, q_out, mode))
+        proc.start()
+        ctx = gpucx.Context()
+        w = ctx.create_worker()
+        made.append((ctx, proc, q_in))
+        q_in.put(w.address)
+        pid, address, remote = q_out.get(timeout=30)
+        ep = w.connect(address)
+        ep.remote = remote  # for "get"
+        return w, ep, proc, q_in, q_out
+
+    yield make
+    for ctx, proc, q_in in made:
+        os.kill(proc.pid, signal.SIGCONT)
+        q_in.put(None)
+        q_in.put(None)
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        ctx.close()
+
+
+def _serves_another_peer(w) -> None:
+    """A round trip with a fresh worker of this process."""
+    ctx = w._context
+    with ctx.create_worker() as other:
+        there, back = w.connect(other.address), other.connect(w.address)
+        out, into = np.arange(64, dtype=np.uint8), np.zeros(64, np.uint8)
+        reqs = [other.recv_nb(into, tag=3), there.send_nb(out, tag=3)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs) and time.monotonic() < end:
+            w.progress()
+            other.progress()
+        for r in reqs:
+            r.result()
+        assert (into == out).all()
+        there.close(force=True)
+        back.close(force=True)
+
+
+def _answered_once(w, ep) -> None:
+    """Wait briefly on the peer, so that it answers a ping (a peer that
+    never answered is never failed)."""
+    with pytest.raises(gpucx.TimeoutError):
+        w.recv_nb(np.empty(8, np.uint8), tag=99).wait(0.6, ep=ep)
+    assert w._engine.beats[ep].answered
+
+
+def _freeze_later(pid: int, after: float) -> threading.Timer:
+    t = threading.Timer(after, os.kill, (pid, signal.SIGSTOP))
+    t.start()
+    return t
+
+
+def _post(kind: str, w, ep):
+    """A blocking wait on the peer: a rendezvous send it must fetch, a get
+    of its memory, a receive of its message (with its endpoint)."""
+    if kind == "send":
+        return lambda: ep.send(np.ones(BIG, np.uint8), tag=1, timeout=10)
+    if kind == "get":
+        key = ep.unpack(ep.remote)
+        return lambda: ep.get(np.empty(BIG, np.uint8), key, timeout=10)
+    if kind == "recv":
+        return lambda: w.recv_nb(np.empty(16, np.uint8), tag=1).wait(10, ep=ep)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["send", "get", "recv"])
+def test_frozen_local_peer_fails_what_waits_on_it(pair, kind):
+    """The peer is stopped (SIGSTOP) while this side waits on it: PeerError
+    naming the silence within about T; once thawed, the peer's own pending
+    operation with this side fails at once (the abort notice)."""
+    # Over shared memory a get is a CMA read that needs no peer: over TCP
+    # UCX asks the peer's progress for the data.
+    w, ep, proc, q_in, q_out = pair(tls="tcp" if kind == "get" else None)
+    op = _post(kind, w, ep)
+    _answered_once(w, ep)
+    os.kill(proc.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    with pytest.raises(gpucx.PeerError, match="did not answer for 1 s"):
+        op()
+    took = time.monotonic() - t
+    # Counted from the peer's last answer (during the short wait, up to
+    # PING_AFTER * T before this one), looked at every T/10.
+    assert 0.6 * T <= took < T + 1.0, took
+    # The endpoint stays failed; the worker serves another peer.
+    with pytest.raises(gpucx.PeerError):
+        ep.send(np.ones(8, np.uint8), tag=2)
+    _serves_another_peer(w)
+    os.kill(proc.pid, signal.SIGCONT)
+    q_in.put("done")
+    name, seconds, why = q_out.get(timeout=20)
+    assert name == "PeerError" and seconds < 2.0, (name, seconds, why)
+
+
+def test_frozen_peer_fails_a_pending_request_in_a_progress_loop(pair):
+    """A request (not a blocking wait) on the frozen peer, a rendezvous send
+    progressed by the user's own progress() loop, fails the same way."""
+    w, ep, proc, q_in, q_out = pair()
+    req = ep.send_nb(np.ones(BIG, np.uint8), tag=1)
+    end = time.monotonic() + 0.6
+    while time.monotonic() < end:  # the first ping goes after 0.2 T
+        w.progress()
+    assert w._engine.beats[ep].answered
+    os.kill(proc.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    while not req.done() and time.monotonic() < t + 5 * T:
+        w.progress()
+        time.sleep(0.0005)
+    assert req.done()
+    with pytest.raises(gpucx.PeerError, match="did not answer"):
+        req.result()
+    assert time.monotonic() - t < T + 1.0
+
+
+def test_a_progressing_peer_is_not_failed(pair):
+    """A peer that keeps progressing but receives only after 3 T: the send
+    waits that long and completes; no PeerError."""
+    w, ep, proc, q_in, q_out = pair("late-recv")
+    t = time.monotonic()
+    ep.send(np.ones(BIG, np.uint8), tag=1, timeout=20)
+    assert time.monotonic() - t > 2 * T
+    assert q_out.get(timeout=10) == "received"
+    assert ep.error is None
+
+
+def test_a_peer_that_never_answered_is_not_failed(pair):
+    """A peer without an endpoint of its own has no handler for the ping
+    (the case of a peer that is not gpucx, or has no "am" feature): it is
+    never failed for silence; the wait ends at its own deadline."""
+    w, ep, proc, q_in, q_out = pair("no-endpoint")
+    _freeze_later(proc.pid, 0.3)
+    with pytest.raises(gpucx.TimeoutError):
+        ep.send(np.ones(BIG, np.uint8), tag=1, timeout=2.5 * T)
+    assert ep.error is None
+
+
+def test_option_zero_turns_the_heartbeat_off(pair):
+    """GPUCX_PEER_TIMEOUT=0: no heartbeat; the frozen peer's wait ends at
+    its deadline."""
+    w, ep, proc, q_in, q_out = pair(timeout=0)
+    assert ep not in w._engine.beats
+    _freeze_later(proc.pid, 0.3)
+    with pytest.raises(gpucx.TimeoutError):
+        w.recv_nb(np.empty(16, np.uint8), tag=1).wait(2.5 * T, ep=ep)
+
+
+def test_raw_endpoints_are_never_pinged():
+    """An endpoint made with raw=True (a peer that may not be gpucx) is not
+    heard; a gpucx worker address and a (host, port) connection are."""
+    with gpucx.Context() as ctx:
+        a, b = ctx.create_worker(), ctx.create_worker()
+        raw = a.connect(bytes(b.ucx_address), raw=True)
+        framed = a.connect(b.address)
+        assert raw not in a._engine.beats
+        assert framed in a._engine.beats
+        raw.close()
+        framed.close()
+        assert not a._engine.beats
+
+
+def test_info_says_what_the_heartbeat_does():
+    """`gpucx info` (text and --json) says the heartbeat's period and
+    deadline at GPUCX_PEER_TIMEOUT, and "off" at 0."""
+    from gpucx import info
+
+    assert info._heartbeat(0) == "off"
+    assert "every 2 s" in info._heartbeat(10) and "after 10 s" in info._heartbeat(10)
+
+
+def test_a_side_that_was_away_does_not_blame_its_peer(monkeypatch):
+    """This side stops looking for longer than T (stopped, or computing)
+    while a healthy peer's operation waits: the silence it did not watch is
+    not the peer's; its first look afterwards starts the clock again."""
+    monkeypatch.setenv("GPUCX_PEER_TIMEOUT", str(T))
+    with gpucx.Context() as ctx:
+        a, b = ctx.create_worker(), ctx.create_worker()
+        ab, _ba = a.connect(b.address), b.connect(a.address)
+        req = ab.send_nb(np.ones(BIG, np.uint8), tag=1)
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:  # b answers a ping (after 0.2 T)
+            a.progress()
+            b.progress()
+        assert not req.done() and a._engine.beats[ab].answered
+        time.sleep(2 * T)  # away: nobody progresses
+        for _ in range(4 * 256):  # a looks (every 256 progress calls)
+            a.progress()
+        assert not req.done() and ab.error is None
+        into = np.empty(BIG, np.uint8)
+        r = b.recv_nb(into, tag=1)
+        while not (req.done() and r.done()):
+            a.progress()
+            b.progress()
+        req.result()
+        assert into.all()
