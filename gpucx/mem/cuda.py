@@ -720,8 +720,10 @@ def event_wait(ctx: int, event: int, progress: Callable[[], object]) -> None:
 
 
 def destroy_streams(streams: dict) -> None:
-    """Destroy the streams :func:`htod_start` made (``ctx -> stream``), each
-    in its context; a context already gone took its streams with it."""
+    """Destroy the streams of ``streams`` (``ctx -> stream``: those
+    :func:`htod_start` made, gpucx's CUDA IPC copy streams), each in its
+    context, and empty it; a context already gone took its streams with
+    it."""
     drv = driver()
     for ctx, s in list(streams.items()):
         if drv is None:

@@ -153,22 +153,7 @@ class _CopyStreams:
             if copy is not None:
                 copy.wait()
         copies.clear()
-        drv = _cuda.driver()
-        for ctx, s in self.streams.items():
-            if drv is None:
-                break
-            pushed = False
-            try:
-                if drv.current_context() != ctx:
-                    drv.push(ctx)
-                    pushed = True
-                drv.stream_destroy(s)
-            except _cuda.DriverError:
-                pass  # the context is gone, and its streams with it
-            finally:
-                if pushed:
-                    drv.pop()
-        self.streams.clear()
+        _cuda.destroy_streams(self.streams)
 
 
 def _streams(e) -> _CopyStreams:
