@@ -26,6 +26,7 @@ its blocking and ``_nb`` forms (await the ``_nb`` request).
 
 from __future__ import annotations
 
+from .._names import rehome
 from ._driver import _SPIN_PROBE_EVERY, wait_request
 from ._faces import Endpoint, Listener, Worker
 from ._thread import ProgressThread
@@ -33,8 +34,6 @@ from ._thread import ProgressThread
 __all__ = ["Worker", "Endpoint", "Listener", "ProgressThread", "wait_request"]
 # The public classes read as gpucx.aio's (repr, pickling, docs), as they
 # did before the split.
-for _cls in (Worker, Endpoint, Listener, ProgressThread):
-    _cls.__module__ = __name__
-del _cls
+rehome(__name__, Worker, Endpoint, Listener, ProgressThread)
 # Read by tests/test_aio.py (the adaptive spin's probe period).
 _SPIN_PROBE_EVERY = _SPIN_PROBE_EVERY

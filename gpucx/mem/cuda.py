@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._names import rehome
 from ..errors import UnsupportedError
 
 # The driver ABI, re-exported: gpucx.mem.cuda.Driver, DriverError... stay
@@ -51,9 +52,7 @@ from .memtype import MemoryType
 
 # The driver's classes read as gpucx.mem.cuda's (repr, tracebacks,
 # pickling), as they did before the ABI moved to _cudadrv.
-for _cls in (Driver, DriverError, IpcMemHandle):
-    _cls.__module__ = __name__
-del _cls
+rehome(__name__, Driver, DriverError, IpcMemHandle)
 
 __all__ = [
     "Driver",

@@ -40,6 +40,7 @@ message records), ``_message`` (:class:`AmMessage`), ``_handlers``
 
 from __future__ import annotations
 
+from ..._names import rehome
 from ._handlers import dispatch, set_am_handler, set_internal_handler
 from ._message import AmMessage
 from ._message import _KeptMessage as _KeptMessage
@@ -61,7 +62,7 @@ from ._state import _register as _register
 
 # The message class reads as gpucx.ops.am's (repr, pickling, docs), as it
 # did before the split.
-AmMessage.__module__ = _KeptMessage.__module__ = __name__
+rehome(__name__, AmMessage, _KeptMessage)
 
 __all__ = [
     "AmMessage",
