@@ -582,6 +582,20 @@ class Engine:
         """Park a heartbeat message nobody waits for (``gpucx._heartbeat``)."""
         _hb.let_go(self, req)
 
+    def beat_interval(self) -> float | None:
+        """How often an event loop should call :meth:`beat` (seconds), or
+        None when no endpoint is heard (nothing to look at)."""
+        if not self.beats or self.context.peer_timeout <= 0:
+            return None
+        return _hb.interval(self.context.peer_timeout)
+
+    def beat(self) -> None:
+        """The heartbeat's look from an event loop (``gpucx.aio``, whose
+        awaits are no blocking waits): ping the peers that requests wait on,
+        fail those fallen silent."""
+        if self.beats:
+            _hb.check(self)
+
     def heard(self, token: bytes) -> None:
         """A pong carrying ``token`` arrived (its handler)."""
         _hb.answered(self, token)

@@ -274,3 +274,24 @@ def test_a_side_that_was_away_does_not_blame_its_peer(monkeypatch):
             b.progress()
         req.result()
         assert into.all()
+
+
+def test_frozen_peer_fails_an_awaited_request(pair):
+    """An ``await`` in gpucx.aio (no blocking wait, no progress loop of the
+    user's) on the frozen peer fails the same way: the event-loop driver
+    looks at the heartbeat on a timer (``Engine.beat``)."""
+    import asyncio
+
+    w, ep, proc, q_in, q_out = pair()
+    _answered_once(w, ep)
+
+    async def main():
+        req = ep.send_nb(np.ones(BIG, np.uint8), tag=1)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        with pytest.raises(gpucx.PeerError, match="did not answer"):
+            await asyncio.wait_for(gpucx.aio.wait_request(req), 5 * T)
+        return time.monotonic() - t
+
+    took = asyncio.run(main())
+    assert took < T + 1.0, took

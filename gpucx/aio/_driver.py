@@ -151,20 +151,25 @@ class _Driver:
         """Wake up every check interval while something is awaited and the
         worker has peers on this host: a dead shared-memory peer produces no
         event on the fd, only gpucx's liveness check notices it.  Where
-        pidfds exist, their exit wakes us at once (see ``_on_peer_exit``)."""
+        pidfds exist, their exit wakes us at once (see ``_on_peer_exit``).
+        The same while endpoints are heard (the heartbeat,
+        ``Engine.beat``): a frozen peer produces no event either."""
         e = self.engine
         if e.pfd != self.pfd:
             self._drop_pfd()
             if e.pfd >= 0:
                 self.loop.add_reader(e.pfd, self._on_peer_exit)
                 self.pfd = e.pfd
-        if (
-            self._timer is None
-            and e.watched
-            and e.peer_interval > 0
-            and (self._waiters or self._accepts or self._closers)
+        if self._timer is not None or not (
+            self._waiters or self._accepts or self._closers
         ):
-            self._timer = self.loop.call_later(e.peer_interval, self._on_timer)
+            return
+        delay = e.peer_interval if e.watched and e.peer_interval > 0 else None
+        beat = e.beat_interval()
+        if beat is not None:
+            delay = beat if delay is None else min(delay, beat)
+        if delay is not None:
+            self._timer = self.loop.call_later(delay, self._on_timer)
 
     def _drop_pfd(self) -> None:
         """Take the engine's pidfd set off the loop (the worker closes it,
@@ -190,6 +195,8 @@ class _Driver:
         self._timer = None
         if not self.attached:
             return
+        if self.engine.h is not None:
+            self.engine.beat()  # before run(): it resolves what that failed
         self.run()
         self._arm_timer()
 
