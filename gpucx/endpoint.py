@@ -244,18 +244,16 @@ class Endpoint(Handle):
         if self._h is None:
             return
         self._notify_abort()
-        # Over TCP a send may be stuck on the socket towards the silent
-        # peer, and a force close then lets UCX 1.22 crash this process
-        # once the peer runs again and closes its side (docs/reliability.md,
-        # "Known UCX limitation"): there the UCX endpoint is left to the
-        # worker's destruction; the operations fail now all the same.
-        try:
-            tcp = any(name == "tcp" for name, _ in self.transports)
-        except UCXError:
-            tcp = True  # UCX cannot say: assume the worst
-        self._peer_died(reason, close=not tcp)
+        # Force-closed as for a dead peer: the close is what fails the
+        # thawed peer's operations over TCP.  UCX 1.22's use after free
+        # after a force close (docs/reliability.md, "Known UCX limitation")
+        # needs a send fragment stuck half-written on the socket; a peer
+        # that stopped taking data is reset by TCP_USER_TIMEOUT (0.6 T)
+        # before the heartbeat's T, so the heartbeat meets a peer that
+        # only stopped answering, with nothing stuck towards it.
+        self._peer_died(reason)
 
-    def _peer_died(self, reason: str, close: bool = True) -> None:
+    def _peer_died(self, reason: str) -> None:
         """gpucx found the peer, a process of this host, dead (the engine's
         liveness check, :mod:`gpucx._liveness`): fail this endpoint with
         ``reason`` and close it in UCX.
@@ -268,8 +266,6 @@ class Endpoint(Handle):
         way, a tracked request UCX still holds is parked (its buffers stay
         alive until UCX lets go) and fails with PeerError, and blocking
         waits on the endpoint raise PeerError (``Engine.block``).
-        ``close=False`` leaves the UCX endpoint to the worker's destruction
-        also with peer error handling (the heartbeat over TCP).
         """
         e = self._engine
         e.unhear(self)
@@ -281,7 +277,7 @@ class Endpoint(Handle):
         parent = self._parent  # the bookkeeping close() does for a closed child
         if parent is not None:
             parent._live -= 1
-        force = close and self._peer_mode and not e.multi
+        force = self._peer_mode and not e.multi
         if force:
             pending = [r for r in e.pending if r._slot.status == INPROGRESS]
             slot = new_slot()
