@@ -219,6 +219,29 @@ def decode(obj):
     return obj
 
 
+def child_channel():
+    """The child's end of a :class:`Peer` (a program started with
+    :meth:`Host.python`): keep the original stdout for the protocol and
+    point fd 1, where UCX writes its log, at stderr.  Call it before gpucx
+    makes a context.  Returns ``(put, get)``: one JSON value a line each
+    way (:func:`encode`, :func:`decode`); ``get`` exits the child (status
+    3) once the test is gone."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+
+    def put(obj) -> None:
+        out.write(json.dumps(encode(obj)) + "\n")
+        out.flush()
+
+    def get():
+        line = sys.stdin.readline()
+        if not line:
+            sys.exit(3)  # the test is gone
+        return decode(json.loads(line))
+
+    return put, get
+
+
 class Host:
     """One emulated host: a network namespace, its end of a veth pair to the
     wire, and its address."""

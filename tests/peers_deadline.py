@@ -25,22 +25,22 @@ a rendezvous active message the victim sent).
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import select
 import signal
 import sys
 import time
 
-_out = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)  # before UCX loads: its log lines go to fd 1
+from hosts import child_channel
+
+# Before UCX loads: its log lines go to fd 1.
+put, get = child_channel()
 faulthandler.enable()
 faulthandler.dump_traceback_later(
     int(os.environ.get("GPUCX_PEER_DEADLINE", "40")), exit=True
 )
 
 import numpy as np  # noqa: E402
-from hosts import decode, encode  # noqa: E402
 
 import gpucx  # noqa: E402
 
@@ -52,18 +52,6 @@ CANARY = 0xEE
 DATA = 1
 #: How long the victim waits for its own operation once resumed.
 VICTIM_WAIT_S = 1.5
-
-
-def put(obj) -> None:
-    _out.write(json.dumps(encode(obj)) + "\n")
-    _out.flush()
-
-
-def get():
-    line = sys.stdin.readline()
-    if not line:
-        sys.exit(3)  # the test is gone
-    return decode(json.loads(line))
 
 
 def get_progressing(w):

@@ -11,39 +11,27 @@ a private copy of fd 1 and fd 1 is pointed at stderr.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import select
 import sys
 import time
 
-_out = os.fdopen(os.dup(1), "w", buffering=1)
-os.dup2(2, 1)  # before UCX loads: its log lines go to fd 1
+from hosts import child_channel
+
+# Before UCX loads: its log lines go to fd 1.
+put, get = child_channel()
 # A peer that hangs prints where and exits, well inside the test's timeout.
 faulthandler.dump_traceback_later(
     int(os.environ.get("GPUCX_PEER_DEADLINE", "45")), exit=True
 )
 
 import numpy as np  # noqa: E402
-from hosts import decode, encode  # noqa: E402
 
 import gpucx  # noqa: E402
 
 TIMEOUT = 30
 MIB = 1 << 20
 AM_ID = 5
-
-
-def put(obj) -> None:
-    _out.write(json.dumps(encode(obj)) + "\n")
-    _out.flush()
-
-
-def get():
-    line = sys.stdin.readline()
-    if not line:
-        sys.exit(3)  # the test is gone
-    return decode(json.loads(line))
 
 
 def payload(n: int, seed: int) -> np.ndarray:
