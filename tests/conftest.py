@@ -204,3 +204,27 @@ def hosts():
         yield made
     finally:
         cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def lib_path(tmp_path_factory):
+    """The fake CUDA driver (tests/fakecuda/libcuda_fake.c, a test double
+    for the GPU this machine lacks), built once a run as libcuda.so.1."""
+    from fakegpu import build_fake_libcuda
+
+    return build_fake_libcuda(tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1")
+
+
+@pytest.fixture
+def fake_libcuda(lib_path):
+    """gpucx's CUDA driver replaced by the fake library for one test
+    (``peers_ipc.fake_driver``); reset and the real one restored after."""
+    from peers_ipc import fake_driver
+
+    from gpucx.mem import cuda
+
+    previous = cuda.set_driver(None, "replaced below")
+    d = fake_driver(lib_path)
+    yield d
+    d._lib.fake_reset()
+    cuda.restore_driver(previous)

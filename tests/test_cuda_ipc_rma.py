@@ -20,14 +20,13 @@ import time
 
 import numpy as np
 import pytest
-from peers_ipc import LEAD, cuda_region, device_array, fake_driver, owner
+from peers_ipc import LEAD, cuda_region, device_array, owner
 
 import gpucx
-from gpucx.mem import cuda as gcuda
 from gpucx.mem.remote import CudaIpc, RemoteMemory
 
 from conftest import channel_pair, join_ok, spawn
-from fakegpu import FakeCudaArrayV2, FakeCupyStream, build_fake_libcuda
+from fakegpu import FakeCudaArrayV2, FakeCupyStream
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -38,18 +37,9 @@ N = 1 << 16
 FALLBACK = pytest.mark.filterwarnings("ignore::gpucx.SlowPathWarning")
 
 
-@pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    return build_fake_libcuda(tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1")
-
-
 @pytest.fixture
-def drv(lib_path):
-    previous = gcuda.set_driver(None, "replaced below")
-    d = fake_driver(lib_path)
-    yield d
-    d._lib.fake_reset()
-    gcuda.restore_driver(previous)
+def drv(fake_libcuda):
+    return fake_libcuda
 
 
 def pattern(seed: int, n: int = N) -> np.ndarray:

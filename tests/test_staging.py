@@ -19,7 +19,6 @@ import time
 
 import numpy as np
 import pytest
-from peers_ipc import fake_driver
 
 import gpucx
 from gpucx.mem import cuda as gcuda
@@ -27,7 +26,7 @@ from gpucx.ops import _staging
 from gpucx.request import in_flight
 
 from conftest import Pair, channel_pair, join_ok, pump, spawn, transport_config
-from fakegpu import FakeCudaArrayV2, FakeCupyStream, build_fake_libcuda
+from fakegpu import FakeCudaArrayV2, FakeCupyStream
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,19 +36,10 @@ HOST = int(gpucx.MemoryType.HOST)
 SIZES = [8, 5000, 1 << 20]
 
 
-@pytest.fixture(scope="module")
-def lib_path(tmp_path_factory):
-    return build_fake_libcuda(tmp_path_factory.mktemp("fakecuda") / "libcuda.so.1")
-
-
 @pytest.fixture
-def drv(lib_path):
-    previous = gcuda.set_driver(None, "replaced below")
-    d = fake_driver(lib_path)
-    d._lib.fake_set_polls(2)  # every copy's event: "not ready" twice
-    yield d
-    d._lib.fake_reset()
-    gcuda.restore_driver(previous)
+def drv(fake_libcuda):
+    fake_libcuda._lib.fake_set_polls(2)  # every copy's event: "not ready" twice
+    return fake_libcuda
 
 
 def device_allocator(drv, made=None):
