@@ -350,16 +350,15 @@ def wait_stream(
         drv.event_record(event, stream)
         if progress is None:
             drv.event_synchronize(event)
-        else:
-            # Not a worker wait (request.wait_for): the caller's progress
-            # callable moves its worker while the GPU finishes; the event
-            # completes on its own, so there is no deadline to keep.
-            while not drv.event_query(event):
-                progress()
     except BaseException:
         drv.event_destroy(event)
         raise
-    _events.give(ctx, event)
+    if progress is None:
+        _events.give(ctx, event)
+    else:
+        # The caller's progress callable moves its worker while the GPU
+        # finishes (event_wait: not a worker wait, no deadline to keep).
+        event_wait(ctx, event, progress)
 
 
 def sync_stream(stream: int, buf: Any) -> None:
@@ -696,9 +695,9 @@ def htod_start(
 
 
 def event_wait(ctx: int, event: int, progress: Callable[[], object]) -> None:
-    """Poll ``event`` (from :func:`htod_start`) until it fired, calling
-    ``progress()`` between polls (a worker keeps moving meanwhile), then
-    give it back to the pool of ``ctx``.
+    """Poll ``event`` (from :func:`htod_start`, :func:`wait_stream`) until
+    it fired, calling ``progress()`` between polls (a worker keeps moving
+    meanwhile), then give it back to the pool of ``ctx``.
 
     Not a worker wait: the copy engine finishes on its own, so there is no
     deadline to keep.
