@@ -507,7 +507,7 @@ class Engine:
             n &= _COUNT
         if self.copies:
             self.on_copies(self)
-        if self.watched or self.parked or (self.beats and self.pending):
+        if self.watched or self.parked or (self.pending and self.beats):
             # Peers on this host, operations UCX still held when their
             # endpoint failed, or requests waiting on heard peers: look at
             # them now and then (a loop of progress() alone must also free
