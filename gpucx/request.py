@@ -282,6 +282,17 @@ class Request:
             self._complete()
         if self._state == 1:
             return self._value
+        if (
+            ep is not None
+            and self._ep is None
+            and type(self._value) is CanceledError
+            and ep.error is not None
+        ):
+            # UCX canceled a receive because the endpoint its data comes
+            # from failed (the peer died, or aborted it): say that, as for
+            # an operation of the endpoint.  Also when the receive matched
+            # only after the failure and was canceled at once.
+            raise_status(CANCELED, self._what, ep)
         raise self._value
 
     def result(self):
