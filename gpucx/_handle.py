@@ -173,8 +173,8 @@ class Handle:
             return
         try:
             self.close(timeout=DROP_CLOSE_TIMEOUT_S)
-        except Exception:
-            pass
+        except Exception:  # a finalizer must not raise: the ResourceWarning
+            pass  # above already told the user; Python would only print this one
 
 
 def raise_closed(obj: Handle) -> None:
@@ -206,8 +206,8 @@ def _at_exit() -> None:
     for root in list(_live_roots):
         try:
             root.close()
-        except Exception:
-            pass
+        except Exception:  # interpreter exit: a failed close of one root must
+            pass  # not keep the others open, and nobody is left to catch it
     _alive = False
 
 

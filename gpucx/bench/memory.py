@@ -53,7 +53,7 @@ def cuda_problem(device: int = 0) -> str | None:
         return f"--memory cuda: gpucx.UnsupportedError: {problem}"
     try:
         import cupy
-    except Exception:
+    except Exception:  # missing, or broken on import (no driver): no CuPy
         return "--memory cuda needs CuPy (pip install 'gpucx[cuda12]') and a GPU"
     try:
         count = cupy.cuda.runtime.getDeviceCount()

@@ -107,8 +107,8 @@ def _use_device(device: int) -> None:
         return
     try:
         cupy.cuda.Device(device).use()
-    except Exception:
-        pass
+    except Exception:  # CuPy without a usable device: the peer's memory
+        pass  # setup (bench.memory) reports the real problem with its context
 
 
 #: Addresses that mean "every interface".

@@ -33,8 +33,8 @@ def _gpu_names() -> list[str]:
         return [
             cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)
         ]
-    except Exception:
-        return []
+    except Exception:  # no CuPy, no driver, no device: the report's
+        return []  # environment then names no GPU (it describes, never fails)
 
 
 def environment(transports=None, tls: str | None = None) -> dict:

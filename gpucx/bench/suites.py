@@ -552,8 +552,8 @@ class _AmBase(Bench):
     def cleanup(self) -> None:
         try:
             self.s.worker.set_am_handler(AM_ID, None)
-        except Exception:
-            pass
+        except Exception:  # cleanup after a failed test: the worker may be
+            pass  # closed already, and the test's own error is the one to report
 
 
 class AmLat(_AmBase):
