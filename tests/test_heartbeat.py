@@ -343,13 +343,16 @@ def test_frozen_peer_fails_an_awaited_request(pair):
     assert took < T + 1.0, took
 
 
-@pytest.mark.parametrize("mode", ["thread", "handler-wait"])
-def test_a_peer_progressed_without_python_dispatch_answers(pair, mode):
+@pytest.mark.parametrize(
+    "mode, tls", [("thread", None), ("handler-wait", None), ("thread", "tcp")]
+)
+def test_a_peer_progressed_without_python_dispatch_answers(pair, mode, tls):
     """A peer whose worker progresses while its Python dispatches no active
     message for 3 T (a ProgressThread alone; a handler blocked in a long
     wait) answers the pings from C: the send waits on it for longer than T
-    and completes, no PeerError."""
-    w, ep, proc, q_in, q_out = pair(mode)
+    and completes, no PeerError.  Over shared memory, and over TCP (the
+    pong sent from inside the TCP transport's progress)."""
+    w, ep, proc, q_in, q_out = pair(mode, tls=tls)
     _answered_once(w, ep)
     q_in.put("quiet")
     if mode == "handler-wait":
