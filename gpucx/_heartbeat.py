@@ -6,12 +6,28 @@ rendezvous send it must fetch, a get's data, a message from it) is invisible
 to TCP and to UCX's keepalive: its kernel still answers both; over shared
 memory nothing notices a stopped process either.  So while an operation on
 an endpoint waits, the engine sends the peer a small internal active message
-(a "ping", :data:`PING_AM_ID`), and the peer's gpucx answers "pong"
-(:data:`PONG_AM_ID`) when it dispatches its active messages, which only a
-progressing worker does.  When nothing was heard from a peer for
-``GPUCX_PEER_TIMEOUT`` seconds while operations on its endpoint waited, the
-endpoint fails (``on_silence``: its pending operations end with
+(a "ping", :data:`PING_AM_ID`, whose header is a token naming the endpoint),
+and the peer's gpucx answers "pong" (:data:`PONG_AM_ID`, the same token)
+from C, inside the UCX receive callback of the ping
+(``gpucx__am_ping_cb`` in ``gpucx/_csrc/am.c``): whatever progresses the
+peer's worker answers, its Python dispatching messages, a
+:class:`gpucx.aio.ProgressThread`, or a blocking wait spinning in C, and
+nothing answers while nothing progresses it.  When nothing was heard from a
+peer for ``GPUCX_PEER_TIMEOUT`` seconds while operations on its endpoint
+waited, the endpoint fails (``on_silence``: its pending operations end with
 :class:`~gpucx.PeerError`, and the peer gets the abort notice).
+
+Only a pong counts as hearing a peer; a ping from it does not.  The peer's
+C answers this side's pings whenever it progresses, so a pinging peer is
+heard through its pongs anyway, and pings never reach Python (they neither
+wake a blocking wait nor take a place in the active-message queue).  A ping
+that comes on an endpoint UCX closed is dropped by UCX; on one that failed
+the pong's send fails and the ping is dropped; so is a ping without a reply
+endpoint or whose token is not ``lib.GPUCX_PING_TOKEN`` (8) bytes.  The
+pong's request is freed in C at once: it is no operation of the endpoint
+(nothing waits for it, and a close does not count it).  Pongs are handled
+by Python on the pinging side (:func:`answered`), whose checks run right
+after it dispatches.
 
 Costs and rules:
 
@@ -42,11 +58,12 @@ import time
 import weakref
 
 from ._lib import lib
+from .errors import check as _check
 
 #: The reserved active-message ids of the heartbeat (beside the abort
-#: notice's 0xFF30 in ``gpucx.endpoint``).
-PING_AM_ID = 0xFF31
-PONG_AM_ID = 0xFF32
+#: notice's 0xFF30 in ``gpucx.endpoint``): 0xFF31 and 0xFF32, defined in C.
+PING_AM_ID = lib.GPUCX_PING_AM_ID
+PONG_AM_ID = lib.GPUCX_PONG_AM_ID
 #: A ping goes once nothing was heard for this fraction of the timeout.
 PING_AFTER = 0.2
 
@@ -94,6 +111,15 @@ def unhear(engine, ep) -> None:
         engine.beat_tokens.pop(b.token, None)
 
 
+def answer_pings(engine) -> None:
+    """Answer peers' pings to the engine's worker in C from now on (the
+    endpoint module calls it with the worker's first endpoint)."""
+    # UCX refuses only an id past 65535, or when it has no memory to grow
+    # its table of handlers; even a context without the "am" feature takes
+    # it (gpucx does not ask there).
+    _check(lib.gpucx_am_answer_pings(engine.h), "ucp_worker_set_am_recv_handler")
+
+
 def answered(engine, token: bytes) -> None:
     """A pong arrived (the handler of :data:`PONG_AM_ID`): the peer of the
     endpoint whose ``token`` it carries was heard now."""
@@ -106,10 +132,10 @@ def answered(engine, token: bytes) -> None:
 
 
 def let_go(engine, req) -> None:
-    """Nobody waits for the heartbeat's own messages (a ping, a pong): one
-    UCX still holds is parked with the engine (its header kept alive), which
-    frees it once UCX lets go, so that it is never a pending operation of
-    the endpoint (a wait, or something its close waits for)."""
+    """Nobody waits for the heartbeat's own pings: one UCX still holds is
+    parked with the engine (its header kept alive), which frees it once UCX
+    lets go, so that it is never a pending operation of the endpoint (a
+    wait, or something its close waits for)."""
     if req._slot.status != _INPROGRESS:
         req.done()  # finished: complete it now (no progress call)
     else:

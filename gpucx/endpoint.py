@@ -83,10 +83,10 @@ class Endpoint(Handle):
         if am is not None and am.enabled and ABORT_AM_ID not in am.handlers:
             # The notice a peer's abort() sends (a worker with endpoints
             # of its own is the one that can be told), and the heartbeat
-            # (gpucx._heartbeat): a ping is answered when this worker
-            # dispatches, a pong says the peer was heard.
+            # (gpucx._heartbeat): a ping is answered in C by whatever
+            # progresses this worker, a pong says the peer was heard.
             _am.set_internal_handler(e, ABORT_AM_ID, _on_abort)
-            _am.set_internal_handler(e, PING_AM_ID, _ping_handler(e))
+            _hb.answer_pings(e)
             _am.set_internal_handler(e, PONG_AM_ID, _pong_handler(e))
             e.ping = _send_ping
         if hear:  # the peer may run gpucx, and answer pings
@@ -869,25 +869,6 @@ def _send_ping(ep, token: bytes):
         return _am.send_internal_nb(ep, PING_AM_ID, b"", header=token, reply=True)
     except UCXError:
         return None
-
-
-def _ping_handler(e):
-    """The handler of peers' heartbeat pings to engine ``e``'s worker: answer
-    on the endpoint the ping came on.  It runs only when this worker
-    dispatches its active messages, i.e. when it progresses.  The answer
-    is the heartbeat's own message, which nobody waits for (``let_go``)."""
-
-    def on_ping(msg) -> None:
-        ep = msg.reply_ep
-        if ep is None or ep.closed:
-            return
-        try:
-            req = _am.send_internal_nb(ep, PONG_AM_ID, b"", header=msg.header)
-        except UCXError:
-            return  # the endpoint failed meanwhile: the peer learns from that
-        e.let_go(req)
-
-    return on_ping
 
 
 def _pong_handler(e):

@@ -29,13 +29,16 @@ def _peer(q_in, q_out, mode: str) -> None:
     the test says: "progress" (until told to stop; sends tag 1 then, and
     waits for a receive from the test with its endpoint: the operation an
     abort notice must fail), "late-recv" (progresses, receives the big
-    message only after 3 T)."""
+    message only after 3 T), "thread" and "handler-wait" (_quiet_peer)."""
     with gpucx.Context() as ctx:
-        w = ctx.create_worker()
+        w = ctx.create_worker(thread_mode="multi" if mode == "thread" else "single")
         addr = q_in.get()
         ep = None if mode == "no-endpoint" else w.connect(addr)
         region = ctx.allocate(BIG)  # what the test gets
         q_out.put((os.getpid(), w.address, region.remote().to_bytes()))
+        if mode in ("thread", "handler-wait"):
+            _quiet_peer(w, ep, mode, q_in, q_out)
+            return
         if mode == "late-recv":
             end = time.monotonic() + 3 * T
             while time.monotonic() < end:
@@ -65,6 +68,49 @@ def _peer(q_in, q_out, mode: str) -> None:
         except gpucx.UCXError as exc:
             q_out.put([type(exc).__name__, time.monotonic() - t, str(exc)])
         q_in.get()
+
+
+def _quiet_peer(w, ep, mode: str, q_in, q_out) -> None:
+    """A peer whose Python dispatches nothing for 3 T while the test waits
+    on it, though its worker progresses.  It progresses (and dispatches)
+    until the test says "quiet"; then, in mode "thread", it leaves its
+    worker to a ProgressThread alone (the main thread sleeps 3 T); in mode
+    "handler-wait", the handler of the test's message (id 5) waits 3 T in a
+    blocking receive (the worker progresses in that wait, but no other
+    handler can run meanwhile).  Then it receives the test's big message
+    (tag 1) and says "received" (or, the test having failed its endpoint,
+    the error that ended the receive)."""
+    thread = gpucx.aio.ProgressThread(w) if mode == "thread" else None
+    ran = []
+
+    def busy(msg) -> None:
+        try:
+            w.recv_nb(np.empty(8, np.uint8), tag=7).wait(3 * T)
+        except gpucx.TimeoutError:
+            ran.append(True)
+
+    w.set_am_handler(5, busy)
+    while q_in.empty():
+        w.progress()
+        time.sleep(0.001)
+    if q_in.get() is None:  # the fixture's teardown
+        return
+    if thread is not None:
+        time.sleep(3 * T)  # no Python progress: the thread's alone
+    else:
+        end = time.monotonic() + 10
+        while not ran and time.monotonic() < end:
+            w.progress()
+            time.sleep(0.001)
+    buf = np.empty(BIG, np.uint8)
+    try:
+        w.recv_nb(buf, tag=1).wait(10, ep=ep)
+        q_out.put("received" if buf.all() else "wrong data")
+    except gpucx.UCXError as exc:
+        q_out.put(type(exc).__name__)
+    q_in.get()
+    if thread is not None:
+        thread.stop()
 
 
 @pytest.fixture
@@ -295,3 +341,76 @@ def test_frozen_peer_fails_an_awaited_request(pair):
 
     took = asyncio.run(main())
     assert took < T + 1.0, took
+
+
+@pytest.mark.parametrize(
+    "mode, tls", [("thread", None), ("handler-wait", None), ("thread", "tcp")]
+)
+def test_a_peer_progressed_without_python_dispatch_answers(pair, mode, tls):
+    """A peer whose worker progresses while its Python dispatches no active
+    message for 3 T (a ProgressThread alone; a handler blocked in a long
+    wait) answers the pings from C: the send waits on it for longer than T
+    and completes, no PeerError.  Over shared memory, and over TCP (the
+    pong sent from inside the TCP transport's progress)."""
+    w, ep, proc, q_in, q_out = pair(mode, tls=tls)
+    _answered_once(w, ep)
+    q_in.put("quiet")
+    if mode == "handler-wait":
+        ep.am_send(5, b"")
+    t = time.monotonic()
+    ep.send(np.ones(BIG, np.uint8), tag=1, timeout=20)
+    assert time.monotonic() - t > 2 * T
+    assert q_out.get(timeout=10) == "received"
+    assert ep.error is None
+
+
+def test_a_frozen_peer_with_a_progress_thread_still_fails(pair):
+    """The same ProgressThread peer stopped with SIGSTOP: nothing progresses
+    its worker, nothing answers; PeerError within about T."""
+    w, ep, proc, q_in, q_out = pair("thread")
+    _answered_once(w, ep)
+    q_in.put("quiet")
+    os.kill(proc.pid, signal.SIGSTOP)
+    t = time.monotonic()
+    with pytest.raises(gpucx.PeerError, match="did not answer for 1 s"):
+        ep.send(np.ones(BIG, np.uint8), tag=1, timeout=10)
+    assert time.monotonic() - t < T + 1.0
+    os.kill(proc.pid, signal.SIGCONT)  # thawed: told by the abort notice
+    assert q_out.get(timeout=20) == "PeerError"
+
+
+def test_pings_are_answered_in_c_and_malformed_ones_dropped(monkeypatch):
+    """Two workers of this process, b never dispatching: a ping with an
+    8-byte token and a reply endpoint gets a pong carrying that token,
+    answered inside b's progress (its handler queue stays empty); a token
+    of another length, or a ping without a reply endpoint, gets none."""
+    from gpucx import _heartbeat as hb
+    from gpucx._lib import lib
+    from gpucx.ops import am as _am
+
+    monkeypatch.setenv("GPUCX_PEER_TIMEOUT", "0")  # no pings of gpucx's own
+    with gpucx.Context(config={"TLS": "sm,self"}) as ctx:
+        a, b = ctx.create_worker(), ctx.create_worker()
+        ab, _ba = a.connect(b.address), b.connect(a.address)  # b answers
+        pongs = []
+        _am.set_internal_handler(
+            a._engine, hb.PONG_AM_ID, lambda m: pongs.append(m.header)
+        )
+
+        def ping(header: bytes, reply: bool = True):
+            req = _am.send_internal_nb(
+                ab, hb.PING_AM_ID, b"", header=header, reply=reply
+            )
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end and not pongs:
+                a.progress()
+                lib.gpucx_progress(b._engine.state)  # UCX only: no dispatch
+            req.wait(1)
+
+        ping(b"\x01\x02\x03")
+        ping(b"9" * 16)
+        ping(b"no-reply", reply=False)
+        assert pongs == []
+        ping(b"token-42")
+        assert pongs == [b"token-42"]
+        assert b._engine.am.state.tail == 0  # nothing queued for b's Python

@@ -44,10 +44,14 @@ static const unsigned GPUCX_AM_SEND_REPLY;
 static const unsigned GPUCX_AM_SEND_EAGER;
 static const unsigned GPUCX_AM_SEND_RNDV;
 static const int GPUCX_AM_COPY_IN;
+static const unsigned GPUCX_PING_AM_ID;
+static const unsigned GPUCX_PONG_AM_ID;
+static const size_t GPUCX_PING_TOKEN;
 """
 
 FUNCTIONS = """
 ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install);
+ucs_status_t gpucx_am_answer_pings(ucp_worker_h worker);
 void gpucx_am_init(gpucx_am_state_t *st, ucp_worker_h worker,
                    const size_t *caps);
 void gpucx_am_stats(gpucx_am_state_t *st, gpucx_qstat_t *kept,

@@ -603,6 +603,67 @@ static ucs_status_t gpucx_am_set_handler(gpucx_am_reg_t *reg, int install)
                              install ? reg : NULL);
 }
 
+/* ---- the heartbeat's answer (gpucx/_heartbeat.py) ----------------------- */
+
+/* The reserved ids of the heartbeat: a ping asks the peer for a pong that
+ * carries the ping's header back (a token of GPUCX_PING_TOKEN bytes naming
+ * the pinging side's endpoint). */
+static const unsigned GPUCX_PING_AM_ID = 0xFF31;
+static const unsigned GPUCX_PONG_AM_ID = 0xFF32;
+static const size_t   GPUCX_PING_TOKEN = 8;
+
+/* The receive callback of GPUCX_PING_AM_ID: answer the pong here, inside
+ * ucp_worker_progress, so that whatever progresses the worker answers (a
+ * ProgressThread, a blocking wait spinning in C, a progress() call), not
+ * only Python dispatching its active messages.
+ *
+ * UCX allows it: the callback must not progress the worker (ucp_def.h), and
+ * ucp_am_send_nbx does not; it takes the worker's lock, which
+ * ucp_worker_progress holds in "multi" mode, and that lock is recursive
+ * (UCS_ASYNC_BLOCK); UCX's own test_ucp_am sends on reply_ep from its AM
+ * callback.  The reply endpoint is one UCX found valid for this message
+ * (ucp_am_handler_reply drops a message whose endpoint is closed: a gpucx
+ * close or force close); on a failed one the send fails, and the ping is
+ * dropped.  The header is copied by UCX (COPY_HEADER: it is valid only
+ * during this callback); the request, when UCX keeps one, is freed at once
+ * (ucp_request_free: the send goes on, nobody is told of its end).
+ *
+ * A ping of another header length, or one sent without a reply endpoint,
+ * is dropped unanswered.  Always UCS_OK: eager data is given back, a
+ * rendezvous payload is never fetched (no gpucx sends one). */
+static ucs_status_t gpucx__am_ping_cb(void *arg, const void *header,
+                                      size_t header_length, void *data,
+                                      size_t length,
+                                      const ucp_am_recv_param_t *param)
+{
+    ucp_request_param_t p;
+    ucs_status_ptr_t    r;
+
+    (void)arg;
+    (void)data;
+    (void)length;
+    if (header_length != GPUCX_PING_TOKEN ||
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) ||
+        param->reply_ep == NULL) {
+        return UCS_OK;
+    }
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags        = UCP_AM_SEND_FLAG_COPY_HEADER | UCP_AM_SEND_FLAG_EAGER;
+    r = ucp_am_send_nbx(param->reply_ep, GPUCX_PONG_AM_ID, header,
+                        header_length, NULL, 0, &p);
+    if (r != NULL && !UCS_PTR_IS_ERR(r)) {
+        ucp_request_free(r);
+    }
+    return UCS_OK;
+}
+
+/* Answer the heartbeat's pings to worker in C from now on. */
+static ucs_status_t gpucx_am_answer_pings(ucp_worker_h worker)
+{
+    return gpucx__am_handler(worker, GPUCX_PING_AM_ID, UCP_AM_FLAG_WHOLE_MSG,
+                             gpucx__am_ping_cb, NULL);
+}
+
 /* Make room for k more posted receives (state lock held). */
 static int gpucx__am_posts_reserve(gpucx_am_reg_t *reg, size_t k)
 {

@@ -16,7 +16,10 @@ class ProgressThread:
     The worker must have ``thread_mode="multi"``: the thread and the
     application then call into UCX concurrently, and UCX's own lock keeps
     that safe (gpucx adds no lock of its own).  The thread sleeps on the
-    worker's event fd when idle.
+    worker's event fd when idle.  It runs no Python handler, but its
+    progress answers peers' heartbeat pings (in C), so a process whose
+    main thread computes for long keeps its peers from failing it
+    (docs/reliability.md, "The heartbeat").
 
     Raises
     ------
