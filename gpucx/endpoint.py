@@ -117,6 +117,7 @@ class Endpoint(Handle):
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
         ident = None
+        blob = None
         if isinstance(address, (bytes, bytearray, memoryview)):
             blob = bytes(address)
             if not raw:
