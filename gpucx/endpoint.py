@@ -531,7 +531,7 @@ class Endpoint(Handle):
         ``ABORT_NOTICE_S`` (a send, put or get queued towards a peer that
         stopped taking data: the close drops it with them) and this
         endpoint was made from a gpucx worker address, the notice goes out
-        of band instead, on an endpoint of its own to the peer's worker
+        of band as well, on an endpoint of its own to the peer's worker
         (made at the first such release and kept, one per peer worker,
         until this worker closes): it arrives once the peer progresses
         again and fails the peer's endpoints made from this worker's
