@@ -553,3 +553,36 @@ def test_out_of_band_notice_to_a_peer_without_handlers():
             a.progress()
             b.progress()
         assert bytes(one) == b"y"
+
+
+def test_a_closing_worker_gives_its_notice_endpoints_little_time():
+    """A release towards a peer that does not progress again (another
+    context, never progressed): the out-of-band notice cannot leave, and
+    the closing worker waits ``NOTICE_CLOSE_S`` for it at most, not its
+    close's deadline (``CLOSE_TIMEOUT_S``, 10 s)."""
+    tls = {"TLS": "posix,sysv,self"}
+    with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        one = np.zeros(1, np.uint8)
+        reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs):
+            assert time.monotonic() < end, "no wireup"
+            a.progress()
+            b.progress()
+        # Messages b never takes fill its shared-memory FIFO, which every
+        # sender to b writes into: the notice endpoint's messages too.
+        small = np.ones(8 << 10, np.uint8)
+        sends = [ab.send_nb(small, tag=6) for _ in range(256)]
+        for _ in range(100):
+            a.progress()
+        assert not sends[-1].done()
+        assert sends[-1].give_up("release") is True
+        (nep,) = gendpoint._NOTICES[a._engine].eps.values()
+        t0 = time.monotonic()
+        a.close()
+        took = time.monotonic() - t0
+        assert nep.closed
+        assert took < gendpoint.NOTICE_CLOSE_S + 1.0, took
+        ba.close(force=True)
