@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import time
+import weakref
 
 from . import _address
 from . import _heartbeat as _hb
@@ -67,6 +69,10 @@ class Endpoint(Handle):
     #: Why gpucx force-closed this endpoint to release an operation's
     #: buffers (``on_timeout="release"``), or None.
     _released_reason: str | None = None
+    #: The peer worker's UCX address when this endpoint was made from a
+    #: gpucx worker address (the peer runs gpucx): where :meth:`abort`
+    #: sends its notice out of band when the in-band one cannot leave.
+    _peer_ucx: bytes | None = None
 
     def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
@@ -86,6 +92,7 @@ class Endpoint(Handle):
             # (gpucx._heartbeat): a ping is answered in C by whatever
             # progresses this worker, a pong says the peer was heard.
             _am.set_internal_handler(e, ABORT_AM_ID, _on_abort)
+            _am.set_internal_handler(e, NOTICE_AM_ID, _notice_handler(e))
             _hb.answer_pings(e)
             _am.set_internal_handler(e, PONG_AM_ID, _pong_handler(e))
             e.ping = _send_ping
@@ -110,6 +117,7 @@ class Endpoint(Handle):
         state = ffi.new("gpucx_ep_state_t *")
         mode = 1 if error_handling else 0
         ident = None
+        blob = None
         if isinstance(address, (bytes, bytearray, memoryview)):
             blob = bytes(address)
             if not raw:
@@ -145,15 +153,30 @@ class Endpoint(Handle):
         # A (host, port) or a gpucx worker address: the peer may run gpucx,
         # and answer the heartbeat (never a raw address).
         ep = cls(worker, state, peer, isinstance(address, tuple) or ident is not None)
-        ep._connected(error_handling, isinstance(address, tuple), same_host, ident)
+        ep._connected(
+            error_handling, isinstance(address, tuple), same_host, ident, blob
+        )
         return ep
 
-    def _connected(self, error_handling: bool, sockaddr: bool, same_host: bool, ident):
+    def _connected(
+        self,
+        error_handling: bool,
+        sockaddr: bool,
+        same_host: bool,
+        ident,
+        blob: bytes | None = None,
+    ):
         """Record how :meth:`_connect` made this endpoint; watch its peer
-        when ``ident`` (a framed address's) names a process of this host."""
+        when ``ident`` (a framed address's) names a process of this host.
+        A framed address's peer runs gpucx: its UCX address ``blob`` is
+        where :meth:`abort`'s notice goes out of band, and a notice from
+        that worker finds this endpoint by it (:func:`_notice_handler`)."""
         self._peer_mode = error_handling
         self._sockaddr = sockaddr
         self._same_host = same_host
+        if ident is not None and blob is not None:
+            self._peer_ucx = blob
+            _notices(self._engine).index(self, blob)
         if ident is not None and _watched(ident):
             self._watch(ident.pid, ident.start_time)
 
@@ -504,13 +527,18 @@ class Endpoint(Handle):
         the peer's gpucx fails its endpoint back to this worker
         (:meth:`fail`), so that its own pending operations with this side
         end at once with :class:`~gpucx.PeerError` rather than at their
-        deadlines.  The notice is best effort: it queues behind what the
-        endpoint already queued towards the peer and is dropped with the
-        close if it has not left within ``ABORT_NOTICE_S`` (a send, put or
-        get queued towards a peer that stopped taking data); the peer then
-        learns only from its own deadlines (docs/reliability.md,
-        "Deadlines and the buffer").  Safe on a closed endpoint (does
-        nothing).
+        deadlines.  When that notice cannot leave within
+        ``ABORT_NOTICE_S`` (a send, put or get queued towards a peer that
+        stopped taking data: the close drops it with them) and this
+        endpoint was made from a gpucx worker address, the notice goes out
+        of band as well, on an endpoint of its own to the peer's worker
+        (made at the first such release and kept, one per peer worker,
+        until this worker closes): it arrives once the peer progresses
+        again and fails the peer's endpoints made from this worker's
+        address.  An endpoint made by ``(host, port)`` or a listener, or
+        from a ``raw`` address, has only the in-band notice; the peer then
+        learns from its own deadlines (docs/reliability.md, "What the peer
+        sees").  Safe on a closed endpoint (does nothing).
         """
         if self._h is None:
             return
@@ -523,7 +551,8 @@ class Endpoint(Handle):
     def _notify_abort(self) -> None:
         """Send the peer the notice of :meth:`abort` and give it
         ``ABORT_NOTICE_S`` to leave; the force close that follows cancels it
-        if it could not."""
+        if it could not, so it then goes out of band as well
+        (:meth:`_notify_out_of_band`)."""
         e = self._engine
         if e.am is None or not e.am.enabled or self._state.error != lib.UCS_OK:
             return
@@ -533,6 +562,26 @@ class Endpoint(Handle):
             return  # the endpoint failed meanwhile: nothing to tell
         if not req.done():
             e.drain([req], time.monotonic() + ABORT_NOTICE_S)
+        if not req.done():
+            self._notify_out_of_band()
+
+    def _notify_out_of_band(self) -> None:
+        """Send :meth:`abort`'s notice on this worker's notice endpoint to
+        the peer's worker (made now if there is none yet), which nothing
+        queued on this endpoint delays.  Nobody waits for it: it leaves
+        when the peer takes messages again and this worker progresses.
+        Only for a peer known to run gpucx (an endpoint made from a gpucx
+        worker address): another would not know the message."""
+        peer = self._peer_ucx
+        if peer is None:
+            return
+        n = _notices(self._engine)
+        try:
+            ep = n.endpoint(self._w, peer)
+            req = _am.send_internal_nb(ep, NOTICE_AM_ID, b"", header=n.me(self._w))
+        except UCXError:
+            return  # the peer's worker cannot be reached: nothing to tell
+        self._engine.let_go(req)
 
     def fail(self, reason: str) -> None:
         """Fail this endpoint now, as when its peer dies: every operation
@@ -853,6 +902,115 @@ def _on_abort(msg) -> None:
     ep = msg.reply_ep
     if ep is not None:
         ep.fail(_ABORTED_BY_PEER)
+
+
+#: The reserved active-message id of Endpoint.abort's notice out of band
+#: (on a notice endpoint of its own, :func:`_notice_handler`).
+NOTICE_AM_ID = 0xFF33
+#: How long a closing worker gives its notice endpoints to deliver what
+#: they carry (a peer stopped since keeps the rest from its own deadline).
+NOTICE_CLOSE_S = 0.5
+
+
+def _peer_key(ucx_address: bytes) -> bytes:
+    """What names a worker in an out-of-band notice: 16 bytes of a hash
+    of its UCX address (the bytes its peers connected to)."""
+    return hashlib.blake2b(ucx_address, digest_size=16).digest()
+
+
+class _Notices:
+    """One worker's side of the out-of-band abort notice: its endpoints
+    made from gpucx worker addresses, by the peer worker's key (those a
+    notice from that worker fails), and the notice endpoints it made, one
+    per peer worker, kept until the worker closes."""
+
+    __slots__ = ("engine", "by_peer", "eps", "key")
+
+    def __init__(self, e):
+        self.engine = weakref.ref(e)
+        self.by_peer: dict[bytes, weakref.WeakSet] = {}
+        self.eps: dict[bytes, Endpoint] = {}
+        self.key: bytes | None = None
+        e.on_close.append(self.close)
+
+    def index(self, ep: Endpoint, peer_ucx: bytes) -> None:
+        """``ep`` was made from the address of the worker whose UCX address
+        is ``peer_ucx``."""
+        key = _peer_key(peer_ucx)
+        eps = self.by_peer.get(key)
+        if eps is None:
+            # Peers whose endpoints are all gone leave no entry behind.
+            self.by_peer = {k: v for k, v in self.by_peer.items() if v}
+            eps = self.by_peer[key] = weakref.WeakSet()
+        eps.add(ep)
+
+    def me(self, worker) -> bytes:
+        """This worker's key, what its notices carry."""
+        if self.key is None:
+            self.key = _peer_key(worker.ucx_address)
+        return self.key
+
+    def endpoint(self, worker, peer_ucx: bytes) -> Endpoint:
+        """The notice endpoint to the worker at ``peer_ucx`` (a raw one:
+        no heartbeat, no liveness check, not itself indexed)."""
+        ep = self.eps.get(peer_ucx)
+        if ep is None or ep.closed:
+            ep = self.eps[peer_ucx] = _NoticeEndpoint.make(worker, peer_ucx)
+        return ep
+
+    def close(self) -> None:
+        """The worker closes (its endpoints closed already): forget them."""
+        for ep in self.eps.values():
+            ep.close()
+        self.eps.clear()
+        e = self.engine()
+        if e is not None:
+            _NOTICES.pop(e, None)
+
+
+class _NoticeEndpoint(Endpoint):
+    """An endpoint that carries only out-of-band abort notices
+    (:class:`_Notices`): nobody waits for them, so its close gives them
+    ``NOTICE_CLOSE_S`` at most, also when its worker closes."""
+
+    @classmethod
+    def make(cls, worker, peer_ucx: bytes) -> Endpoint:
+        """A notice endpoint to the worker at UCX address ``peer_ucx``: a
+        raw one (no heartbeat, no liveness check, not indexed), with UCX
+        peer error handling (a dead peer fails it rather than its close
+        waiting)."""
+        return cls._connect(worker, peer_ucx, True, raw=True)
+
+    def close(self, *, force: bool = False, timeout: float | None = None) -> None:
+        t = NOTICE_CLOSE_S if timeout is None else min(timeout, NOTICE_CLOSE_S)
+        super().close(force=force, timeout=t)
+
+
+#: Each worker's _Notices (by its engine: weak, the worker owns the engine).
+_NOTICES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _notices(e) -> _Notices:
+    n = _NOTICES.get(e)
+    if n is None:
+        n = _NOTICES[e] = _Notices(e)
+    return n
+
+
+def _notice_handler(e):
+    """The handler of out-of-band abort notices to engine ``e``'s worker:
+    its header names the worker that gave up an operation; every endpoint
+    of this worker made from that worker's address fails as the in-band
+    notice fails one (:func:`_on_abort`).  A notice naming no such
+    endpoint (closed meanwhile, or never made) does nothing."""
+
+    def on_notice(msg) -> None:
+        n = _NOTICES.get(e)
+        eps = None if n is None else n.by_peer.get(msg.header)
+        for ep in list(eps or ()):
+            ep.fail(_ABORTED_BY_PEER)
+
+    return on_notice
 
 
 #: Operations (gpucx.protocols.OPERATIONS keys) that carry this side's data

@@ -9,8 +9,10 @@ Two roles meet over gpucx, the test passing their addresses:
 
 * ``victim``: sets up its half of ``OP``, says "ready" and stops itself
   (SIGSTOP) in the middle of it; once the test resumes it (SIGCONT) it
-  reports what became of its half: the outcome of its own operation, how
-  long that took, and how many canary bytes reached its memory;
+  reports what became of its half: the outcome of its own operation (for
+  "put" and "get", a stream receive on the endpoint that nothing answers),
+  its error message, how long that took, what a later send on the
+  endpoint does, and how many canary bytes reached its memory;
 * ``releaser``: runs ``OP`` against the stopped victim with a short
   deadline and ``on_timeout`` as told, reports the error (type,
   ``released``, message), overwrites its buffer with the canary, and after
@@ -87,6 +89,9 @@ def victim(op: str) -> None:
             mem = np.full(N, DATA if op == "get" else 0, np.uint8)
             region = ctx.register(mem)
             put(region.remote().to_bytes())
+            # An operation of this side's own on the endpoint, pending when
+            # the releaser gives up: a stream receive it never sends to.
+            req = ep.stream_recv_nb(np.zeros(8, np.uint8))
         end = time.monotonic() + 0.1  # the rendezvous request goes out
         while time.monotonic() < end:
             w.progress()
@@ -95,14 +100,18 @@ def victim(op: str) -> None:
         # Resumed: what becomes of this side's own operation.
         t0 = time.monotonic()
         outcome = "none"
+        why = ""
         if req is not None:
             try:
-                req.wait(VICTIM_WAIT_S)
+                # A tag receive names the endpoint its data comes from: the
+                # endpoint's failure (the releaser's notice) fails it.
+                req.wait(VICTIM_WAIT_S, ep=ep if op in ("send", "aio") else None)
                 outcome = "done"
             except gpucx.TimeoutError:
                 outcome = "timeout"
             except gpucx.UCXError as exc:
                 outcome = type(exc).__name__
+                why = str(exc)
         else:
             end = t0 + 0.5
             while time.monotonic() < end:
@@ -117,6 +126,7 @@ def victim(op: str) -> None:
         put(
             {
                 "outcome": outcome,
+                "why": why,
                 "s": took,
                 "after": after,
                 "canaries": canaries(mem) if mem is not None else 0,

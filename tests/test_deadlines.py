@@ -27,6 +27,7 @@ import pytest
 
 import gpucx
 from gpucx import config as gconfig
+from gpucx import endpoint as gendpoint
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,6 +37,10 @@ PEERS = str(Path(__file__).with_name("peers_deadline.py"))
 TLS = {"tcp": "tcp,self", "shm": "posix,sysv,self"}
 #: The releaser's deadline.
 DEADLINE = 0.5
+#: How soon after it resumes the stopped peer must learn of a release, at
+#: most: well before its own deadline (peers_deadline.VICTIM_WAIT_S, 1.5 s).
+#: Measured 0.5-15 ms on one host, 10-39 ms across hosts.
+TOLD_S = 0.5
 
 
 def _local(args: list[str], tls: str | None) -> hostlib.Peer:
@@ -102,6 +107,16 @@ def _run(op: str, mode: str, start_victim, start_releaser) -> tuple:
                 p.proc.wait(5)
 
 
+def _check_peer_told(seen) -> None:
+    """The thawed victim learned of the release from the notice: its own
+    pending operation with the releaser failed with PeerError naming the
+    cause, soon after it resumed, and its endpoint back raises it."""
+    assert seen["outcome"] == "PeerError", seen
+    assert "after giving up an operation" in seen["why"], seen
+    assert seen["s"] < TOLD_S, seen
+    assert seen["after"] == "PeerError", seen
+
+
 def _check_released(op: str, error, seen, intact) -> None:
     assert error["error"] == "TimeoutError", error
     assert error["released"] is True, error
@@ -147,6 +162,13 @@ def test_release_keeps_the_canary(op, tls):
         # back raises PeerError at once.
         assert seen["outcome"] == "PeerError", seen
         assert seen["after"] == "PeerError", seen
+    if op in ("send", "put", "get"):
+        # The in-band notice queued behind the data or requests the stopped
+        # peer did not take and was dropped with the close: the notice
+        # that went out of band (its own endpoint to the peer's worker)
+        # fails the peer's receive matched to the send (waited on with
+        # ep=), its stream receive pending on the endpoint (put, get).
+        _check_peer_told(seen)
 
 
 def _check_refused_over_tcp(error) -> None:
@@ -195,6 +217,7 @@ def test_aio_cancel_releases():
     error, seen, intact = _run("aio", "release", start, start)
     assert error["error"] == "TimeoutError" and error["closed"], error
     assert seen["canaries"] == 0 and intact["intact"], (seen, intact)
+    _check_peer_told(seen)
 
 
 def test_aio_cancel_parks_by_default():
@@ -207,8 +230,9 @@ def test_aio_cancel_parks_by_default():
 @pytest.mark.timeout(90)
 def test_release_across_hosts(hosts):
     """The releaser and the stopped peer on two emulated hosts (TCP over a
-    veth link, zero-copy protocols): a get is released, canary intact; a
-    send (8 MiB, multi-fragment eager zero-copy) is refused and parked, and
+    veth link, zero-copy protocols): a get is released, canary intact, and
+    the thawed peer learns of it from the notice out of band; a send (8
+    MiB, multi-fragment eager zero-copy) is refused and parked, and
     the releaser survives the peer closing its endpoint afterwards, which
     crashed it every time when the send was released
     (docs/reliability.md, "Known UCX limitation")."""
@@ -225,6 +249,7 @@ def test_release_across_hosts(hosts):
             assert "zero-copy" in error["message"], error
         else:
             _check_released(op, error, seen, intact)
+            _check_peer_told(seen)
 
 
 # -- in one process: the choice, its errors and its bookkeeping ---------------
@@ -444,3 +469,120 @@ def test_why_a_release_is_refused():
         before = str(ep.error)
         ep.fail("nothing: closed already")  # no-op on a closed endpoint
         assert str(ep.error) == before
+
+
+def test_release_tells_the_peer_out_of_band():
+    """Two workers of one process, b not progressing: a's rendezvous send to
+    b is released.  The in-band notice cannot pass the data queued towards
+    b; the one that goes out of band, on a notice endpoint a keeps per peer
+    worker, fails b's endpoint back to a once b progresses, and b's
+    receive matched to the send fails with PeerError naming the cause.  A
+    second release towards b reuses the notice endpoint."""
+    ctx, a, b, ab, ba = _wired()
+    with ctx:
+        got = np.zeros(8 << 20, np.uint8)
+        rreq = b.recv_nb(got, tag=5)
+        ab.on_timeout = "release"
+        with pytest.raises(gpucx.TimeoutError) as info:
+            ab.send(np.ones(8 << 20, np.uint8), tag=5, timeout=0.2)
+        assert info.value.released is True
+        end = time.monotonic() + 5
+        while not ba.closed:
+            assert time.monotonic() < end, "b never heard of the release"
+            a.progress()
+            b.progress()
+        assert "after giving up an operation" in str(ba.error)
+        with pytest.raises(gpucx.PeerError, match="after giving up an operation"):
+            rreq.wait(1, ep=ba)
+        notices = gendpoint._NOTICES[a._engine]
+        assert len(notices.eps) == 1
+        (nep,) = notices.eps.values()
+        # Again, on a new pair of endpoints: the same notice endpoint.
+        ab2, ba2 = a.connect(b.address), b.connect(a.address)
+        b.recv_nb(got, tag=6)
+        req = ab2.send_nb(np.ones(8 << 20, np.uint8), tag=6)
+        assert req.give_up("release") is True
+        end = time.monotonic() + 5
+        while not ba2.closed:
+            assert time.monotonic() < end, "b never heard of the second release"
+            a.progress()
+            b.progress()
+        assert list(notices.eps.values()) == [nep] and not nep.closed
+    assert nep.closed  # closed with its worker
+    assert a._engine not in gendpoint._NOTICES
+
+
+def test_out_of_band_notice_to_a_peer_without_handlers():
+    """The notice goes out of band to gpucx workers only (endpoints made
+    from gpucx worker addresses); one whose context has no "am" feature
+    cannot handle it: UCX drops it (and logs a warning), and the worker
+    works on, its endpoint back open."""
+    tls = {"TLS": "posix,sysv,self"}
+    with (
+        gpucx.Context(config=tls) as ca,
+        gpucx.Context(features={"tag"}, config=tls) as cb,
+    ):
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        one = np.zeros(1, np.uint8)
+        reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs):
+            assert time.monotonic() < end, "no wireup"
+            a.progress()
+            b.progress()
+        got = np.zeros(8 << 20, np.uint8)
+        b.recv_nb(got, tag=5)
+        ab.on_timeout = "release"
+        with pytest.raises(gpucx.TimeoutError) as info:
+            ab.send(np.ones(8 << 20, np.uint8), tag=5, timeout=0.2)
+        assert info.value.released is True
+        assert len(gendpoint._NOTICES[a._engine].eps) == 1  # it went
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            a.progress()
+            b.progress()
+        assert not ba.closed and ba.error is None
+        # b still receives, from a new endpoint of a's.
+        ab2 = a.connect(b.address)
+        rreq = b.recv_nb(one, tag=7)
+        sreq = ab2.send_nb(b"y", tag=7)
+        end = time.monotonic() + 5
+        while not (rreq.done() and sreq.done()):
+            assert time.monotonic() < end, "b stopped working"
+            a.progress()
+            b.progress()
+        assert bytes(one) == b"y"
+
+
+def test_a_closing_worker_gives_its_notice_endpoints_little_time():
+    """A release towards a peer that does not progress again (another
+    context, never progressed): the out-of-band notice cannot leave, and
+    the closing worker waits ``NOTICE_CLOSE_S`` for it at most, not its
+    close's deadline (``CLOSE_TIMEOUT_S``, 10 s)."""
+    tls = {"TLS": "posix,sysv,self"}
+    with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        one = np.zeros(1, np.uint8)
+        reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs):
+            assert time.monotonic() < end, "no wireup"
+            a.progress()
+            b.progress()
+        # Messages b never takes fill its shared-memory FIFO, which every
+        # sender to b writes into: the notice endpoint's messages too.
+        small = np.ones(8 << 10, np.uint8)
+        sends = [ab.send_nb(small, tag=6) for _ in range(256)]
+        for _ in range(100):
+            a.progress()
+        assert not sends[-1].done()
+        assert sends[-1].give_up("release") is True
+        (nep,) = gendpoint._NOTICES[a._engine].eps.values()
+        t0 = time.monotonic()
+        a.close()
+        took = time.monotonic() - t0
+        assert nep.closed
+        assert took < gendpoint.NOTICE_CLOSE_S + 1.0, took
+        ba.close(force=True)
