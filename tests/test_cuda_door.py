@@ -116,7 +116,7 @@ def test_door_pops_on_any_exception(fake_driver, pair):
         raise KeyError("after the push")
     assert fake_driver.current == OTHER_CTX and fake_driver.stack == []
     # ready(): through the door with nothing posted, nothing left pushed.
-    gcuda.ready(pair.a._engine, ptr, CUDA, None, "test")
+    gcuda.door(pair.a._engine, ptr, CUDA, None, "test").ready()
     assert fake_driver.current == OTHER_CTX and fake_driver.stack == []
 
 

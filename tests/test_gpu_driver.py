@@ -143,22 +143,26 @@ def test_events_and_wait_stream(drv):
                 sys.modules["cupy"] = saved
 
 
-def test_on_device_and_enter(drv):
-    with gcuda.on_device(1) as d:
-        assert d == 1 and drv.current_context() == 0xC1
+def test_device_context_over_the_bindings(drv):
+    with gcuda.device_context(device=1) as ctx:
+        assert ctx == 0xC1 and drv.current_context() == 0xC1
     # Nothing was current: the device is left current, as cudaSetDevice does.
-    assert drv.current_context() == 0xC1
-    with gcuda.on_device(0):
-        assert drv.current_context() == 0xC0
+    # (fake_depth counts the current context: 1 set, 2 with one pushed)
+    assert drv.current_context() == 0xC1 and drv._lib.fake_depth() == 1
+    with gcuda.device_context(device=0) as ctx:
+        assert ctx == 0xC0 and drv.current_context() == 0xC0
+        assert drv._lib.fake_depth() == 2
     assert drv.current_context() == 0xC1  # pushed and popped
-    with pytest.raises(ValueError, match="has 2 CUDA device"):
-        gcuda.on_device(5)
+    with (
+        pytest.raises(ValueError, match="has 2 CUDA device"),
+        gcuda.device_context(device=5),
+    ):
+        pass
     buf = np.zeros(4, np.uint8)
     _register(drv, buf.ctypes.data, 0)
-    pushed = gcuda.enter(buf.ctypes.data)
-    assert pushed and drv.current_context() == 0xC0
-    gcuda.leave(pushed)
-    assert drv.current_context() == 0xC1
+    with gcuda.device_context(ptr=buf.ctypes.data) as ctx:
+        assert ctx == 0xC0 and drv.current_context() == 0xC0
+    assert drv.current_context() == 0xC1 and drv._lib.fake_depth() == 1
 
 
 def test_cai_stream_hook_over_the_bindings(drv):

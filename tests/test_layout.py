@@ -408,7 +408,7 @@ _REACH_CEILING = {
     "ops/am/_state.py": 4,
     "ops/arrays.py": 16,  # recv_array_nb and staging (issue 34): +4
     "ops/atomic.py": 11,
-    "ops/ipc.py": 20,
+    "ops/ipc.py": 17,  # the CUDA copy moved behind mem.cuda.copy_start: -3
     "ops/rma.py": 38,
     "ops/stream.py": 3,
     "ops/tag.py": 11,
@@ -506,3 +506,142 @@ def test_one_module_sleeps_on_the_worker() -> None:
     assert not found, "wait through the engine (block, wait_for...):\n" + "\n".join(
         found
     )
+
+
+# -- one CUDA door ------------------------------------------------------------------
+
+# What code outside gpucx/mem may use of gpucx.mem.cuda (docs/layout.md, "One
+# CUDA door").  Two ways make a device context current: the door, for an
+# operation that posts device memory or waits for a stream= (with its modes
+# door(...).ready() and door(...).copy_in()), and device_context, for
+# everything else (registration, allocation, CUDA IPC, staging copies, the
+# benchmark's limits), which pops what it pushed.  The rest leaves nothing
+# current: capability, streams, copies queued in the current context, the
+# driver's names.  No raw enter/leave pair, no third way in.
+_CUDA_ENTRANCES = frozenset({"door", "device_context"})
+_CUDA_OTHERS = frozenset(
+    {
+        # functions that leave nothing current
+        "as_stream",
+        "check",
+        "copy_start",
+        "current_device",
+        "destroy_streams",
+        "device_of",
+        "driver",
+        "driver_problem",
+        "event_wait",
+        "problem",
+        # names
+        "Deferred",
+        "DriverError",
+        "HOSTALLOC_PORTABLE",
+        "LEGACY_STREAM",
+        "PER_THREAD_STREAM",
+    }
+)
+_CUDA = "gpucx.mem.cuda"
+
+
+def _cuda_uses(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, name)`` of each name of gpucx.mem.cuda a module uses: the
+    attributes read from it under any alias it is imported as, and the
+    names ``from gpucx.mem.cuda import`` takes."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    aliases: set[str] = set()
+    dotted = False
+    uses: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                if f"{base}.{a.name}" == _CUDA:
+                    aliases.add(a.asname or a.name)
+                elif base == _CUDA:
+                    uses.append((node.lineno, a.name))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == _CUDA:
+                    if a.asname:
+                        aliases.add(a.asname)
+                    else:
+                        dotted = True
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id in aliases) or (
+            dotted and ast.unparse(v) == _CUDA
+        ):
+            uses.append((node.lineno, node.attr))
+    return sorted(uses)
+
+
+def _outside_mem_cuda_uses() -> list[str]:
+    allowed = _CUDA_ENTRANCES | _CUDA_OTHERS
+    return [
+        f"{name}:{line}: cuda.{used}"
+        for name, path in sorted(_modules().items())
+        if path.suffix == ".py"
+        and name != "gpucx.mem"
+        and not name.startswith("gpucx.mem.")
+        for line, used in _cuda_uses(name, path)
+        if used not in allowed
+    ]
+
+
+def test_one_cuda_door() -> None:
+    found = _outside_mem_cuda_uses()
+    assert not found, (
+        "outside gpucx.mem, make a device context current only through "
+        "mem.cuda.door (an operation posting memory) or mem.cuda.device_context "
+        "(anything else); see docs/layout.md, One CUDA door:\n" + "\n".join(found)
+    )
+
+
+def test_cuda_door_names_exist() -> None:
+    from gpucx.mem import cuda
+
+    allowed = _CUDA_ENTRANCES | _CUDA_OTHERS
+    assert allowed <= set(dir(cuda))
+    assert set(cuda.__all__) >= _CUDA_ENTRANCES
+    # The raw pairs and the older entrances are gone from the surface.
+    gone = {"enter", "leave", "on_device", "prepare", "ready", "copy_in"}
+    assert not gone & set(dir(cuda))
+
+
+def test_cuda_door_finder_sees_another_way_in(tmp_path: pathlib.Path) -> None:
+    pkg = tmp_path / "ops"
+    pkg.mkdir()
+    bad = pkg / "bad.py"
+    bad.write_text(
+        "from ..mem import cuda as _cuda\n"
+        "from ..mem.cuda import _enter, door\n"
+        "import gpucx.mem.cuda\n"
+        "def f(p):\n"
+        "    with _cuda.door(1, p, 2, None, 'x'):\n"
+        "        pass\n"
+        "    pushed = _cuda._make_current(p)\n"
+        "    gpucx.mem.cuda.driver().pop()\n"
+        "    return _cuda._events\n"
+    )
+    got = _cuda_uses("gpucx.ops.bad", bad)
+    assert got == [
+        (2, "_enter"),
+        (2, "door"),
+        (5, "door"),
+        (7, "_make_current"),
+        (8, "driver"),
+        (9, "_events"),
+    ]
+    allowed = _CUDA_ENTRANCES | _CUDA_OTHERS
+    assert [u for _, u in got if u not in allowed] == [
+        "_enter",
+        "_make_current",
+        "_events",
+    ]

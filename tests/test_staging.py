@@ -250,7 +250,7 @@ def test_no_pinned_memory_takes_the_direct_path(drv, ctx):
 
 def test_pool_bounded_while_lent(drv):
     p = _staging.Pool(1 << 17)
-    with gcuda.on_device(0):
+    with gcuda.device_context(device=0):
         a = p.take(1 << 16)
         b = p.take(1 << 16)
         assert a is not None and b is not None and p.lent == 2

@@ -167,7 +167,7 @@ def measure(
         if key in _cache:
             return _cache[key]
         try:
-            with _cuda.on_device(device):
+            with _cuda.device_context(device=device):
                 gbps = _time_copies(_cuda.driver(), kind, size, reps_for(size, budget))
         except (UnsupportedError, _cuda.DriverError, ValueError) as exc:
             raise LimitError(

@@ -275,8 +275,8 @@ def acquire(
         As for :func:`as_buffer`, or any stream object
         :func:`gpucx.mem.cuda.as_stream` accepts.
     defer : bool, optional
-        For callers that pass the CUDA door next (``cuda.door`` /
-        ``cuda.ready`` with this call's ``keepalive``): CUDA memory whose
+        For callers that pass the CUDA door next (``cuda.door``, or its
+        ``ready()``, with this call's ``keepalive``): CUDA memory whose
         producer stream needs synchronizing comes back with a
         :class:`gpucx.mem.cuda.Deferred` keepalive instead of being
         synchronized here, and the door waits for that stream in the

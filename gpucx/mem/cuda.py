@@ -5,23 +5,40 @@ loaded on first use, so that gpucx imports and works on machines without a
 GPU, a driver, CuPy, Numba or PyTorch.  Nothing here runs for host memory
 unless a ``stream=`` is given.
 
-What it provides to the rest of gpucx:
+What it provides to the rest of gpucx: two ways in, and no third
+(docs/layout.md, "One CUDA door"; ``tests/test_layout.py`` fails when code
+outside :mod:`gpucx.mem` calls anything of this module's but the names it
+allows):
 
-* :func:`problem` -- why a :class:`~gpucx.Context` cannot move CUDA memory
-  (the UCX build or ``UCX_TLS`` lacks CUDA transports, no driver, no device),
-  or ``None``.  Operations on CUDA buffers call :func:`prepare`, which raises
-  :class:`~gpucx.UnsupportedError` with that text before UCX sees anything.
-* :func:`as_stream` -- a CuPy, Numba or PyTorch stream, a raw handle or
-  ``None`` turned into a ``CUstream`` handle.
-* :func:`prepare` / :func:`leave` -- around posting an operation: make the
-  device that owns the pointer current (the primary context, pushed only if
-  another context is current; never device 0 by assumption), then record an
-  event on the user's stream and progress the worker until the event has
-  completed, so that other operations keep moving while gpucx waits.
-* :func:`sync_stream` -- the stream-sync hook :func:`gpucx.mem.as_buffer`
-  runs for a CAI v3 ``stream`` or a DLPack consumer stream: the default hook
-  of :mod:`gpucx.mem.buffer` calls it when a driver is present (``buffer``
-  builds on this module, never the reverse).
+* :class:`door` -- for an operation that posts memory that may be on a
+  device, or receives into it, or that waits for a ``stream=`` first.
+  ``with door(engine, ptr, memory_type, stream, what, keep):`` checks that
+  the worker's context can move the memory (:func:`problem`), makes the
+  device that owns the pointer current (pushed only if another context is
+  current; never device 0 by assumption), waits for the streams while
+  progressing the worker, and pops what it pushed when the block ends.
+  Two modes go through the same door without a post inside it:
+  :meth:`door.ready` (check and wait, nothing left current) and
+  :meth:`door.copy_in` (host bytes into the device memory).  Host memory
+  without a stream skips the door: callers test first, so the host fast
+  path pays for no context manager.
+* :class:`device_context` -- for everything else that needs a device
+  context current without posting an operation: registration, allocation,
+  CUDA IPC open and close, staging copies (:func:`copy_start`), the
+  benchmark's copy limits.  ``with device_context(ptr=..., device=...) as
+  ctx:`` makes the owner of ``ptr`` (or ``device``'s primary context)
+  current and always pops what it pushed, whatever fails.
+
+Around them, functions that make nothing current: :func:`problem` and
+:func:`check` (why a :class:`~gpucx.Context` cannot move CUDA memory),
+:func:`as_stream` (a CuPy, Numba or PyTorch stream, a raw handle or
+``None`` turned into a ``CUstream`` handle), :func:`copy_start` and
+:func:`event_wait` (a copy queued in the current context, and its wait),
+:func:`destroy_streams`, :func:`current_device`, :func:`device_of`, and
+:func:`sync_stream`, the stream-sync hook :func:`gpucx.mem.as_buffer` runs
+for a CAI v3 ``stream`` or a DLPack consumer stream (the default hook of
+:mod:`gpucx.mem.buffer` calls it when a driver is present; ``buffer``
+builds on this module, never the reverse).
 
 The driver's ABI (the ctypes bindings of :class:`Driver`, ``CUresult`` ->
 :class:`DriverError`, the cuda.h values) is :mod:`gpucx.mem._cudadrv`;
@@ -56,23 +73,23 @@ rehome(__name__, Driver, DriverError, IpcMemHandle)
 
 __all__ = [
     "Driver",
+    "DriverError",
     "driver",
+    "driver_problem",
     "set_driver",
+    "restore_driver",
     "problem",
+    "check",
+    "door",
+    "device_context",
     "as_stream",
-    "prepare",
-    "leave",
-    "htod_start",
+    "copy_start",
     "event_wait",
     "destroy_streams",
-    "door",
-    "ready",
     "sync_stream",
+    "wait_stream",
     "device_of",
     "current_device",
-    "on_device",
-    "enter",
-    "check",
     "Deferred",
     "LEGACY_STREAM",
     "PER_THREAD_STREAM",
@@ -119,20 +136,20 @@ def set_driver(drv: Any, problem_text: str | None = None) -> Any:
     ``drv=None`` with ``problem_text`` says there is no driver; pass the
     previous value back to restore it.
     """
-    global _driver, _driver_problem, _sole
+    global _driver, _driver_problem, _sole, _count
     previous = (_driver, _driver_problem)
     _driver = drv
     _driver_problem = problem_text
-    _sole = None
+    _sole = _count = None
     _events.forget()
     return previous
 
 
 def restore_driver(previous: Any) -> None:
     """Undo :func:`set_driver` with the value it returned."""
-    global _driver, _driver_problem, _sole
+    global _driver, _driver_problem, _sole, _count
     _driver, _driver_problem = previous
-    _sole = None
+    _sole = _count = None
     _events.forget()
 
 
@@ -254,7 +271,7 @@ def as_stream(stream: Any) -> int | None:
 class Deferred:
     """The keepalive :func:`gpucx.mem.buffer.acquire` returns with
     ``defer=True`` for device memory whose producer stream it did not
-    synchronize: :func:`prepare` (the :class:`door`, :func:`ready`) waits
+    synchronize: the :class:`door` (and its :meth:`door.ready`) waits
     for ``stream`` once the owner's context is current, so that one
     operation asks the driver for the current context once.
 
@@ -485,58 +502,94 @@ def _enter(drv: Any, ptr: int, device: int) -> tuple[bool, int]:
     return True, want
 
 
-def _make_current(drv: Any, ptr: int, device: int) -> bool:
-    """Make the owner of ``ptr`` current; True when a context was pushed."""
-    return _enter(drv, ptr, device)[0]
+# The device count of the driver in use, once asked (reset with the driver):
+# CUDA fixes it at cuInit, so device_context(device=) asks the driver once.
+_count: int | None = None
 
 
-def enter(ptr: int, device: int = -1) -> bool:
-    """Make the context owning ``ptr`` (or ``device``'s primary) current.
+def _device_count(drv: Any) -> int:
+    global _count
+    count = _count
+    if count is None:
+        count = _count = int(drv.device_count())
+    return count
 
-    Returns True when a context was pushed: pass it to :func:`leave`.
+
+class device_context:
+    """The allocation context: ``with device_context(ptr=..., device=...) as
+    ctx:`` makes a device context current for code that needs one without
+    posting an operation (registration, allocation, CUDA IPC open and
+    close, staging copies, the benchmark's copy limits), and pops what it
+    pushed when the block ends, whatever fails inside.
+
+    Which context: the one that owns device memory at ``ptr``; for a
+    ``ptr`` the driver does not know as device memory (or none), the
+    primary context of ``device``; without ``ptr`` and ``device``, the
+    primary context of the thread's device (:func:`current_device`).
+    Nothing is pushed when that context is current already; when no
+    context is current (a progress thread, a fresh thread) it is made
+    current and left so, as ``cudaSetDevice`` would, not pushed.
+
+    Operations that post memory go through :class:`door` instead.
+
+    Parameters
+    ----------
+    ptr : int, optional
+        An address whose owner is wanted (0: none).
+    device : int, optional
+        A device ordinal (``ptr``'s fallback; without ``ptr``, the device).
+
+    Returns
+    -------
+    int
+        On entry: the context current inside the block (0 only when
+        ``ptr`` is host memory and no ``device`` was given, with no
+        context current).
 
     Raises
     ------
     gpucx.UnsupportedError
-        Without a driver.
-    """
-    return _make_current(_need_driver("device"), ptr, device)
-
-
-def on_device(device: int) -> Any:
-    """Context manager: ``device``'s primary context current inside.
-
-    Raises
-    ------
-    gpucx.UnsupportedError
-        Without a driver.
+        Without a usable CUDA driver (on entry).
     ValueError
-        For a device ordinal this host does not have.
+        On entry, for a ``device`` this host does not have (or that is not
+        an int); without either argument, for a host with several devices
+        and none current (see :func:`current_device`).
+    DriverError
+        If the driver refuses the context (on entry).
     """
-    return _OnDevice(device)
 
+    __slots__ = ("_ptr", "_device", "_pushed")
 
-class _OnDevice:
-    __slots__ = ("_device", "_pushed")
-
-    def __init__(self, device: int):
-        drv = _need_driver("device")
-        count = drv.device_count()
-        if not _is_int(device) or not 0 <= device < count:
-            raise ValueError(f"device={device!r}: this host has {count} CUDA device(s)")
+    def __init__(self, ptr: int = 0, device: int | None = None) -> None:
+        self._ptr = ptr
         self._device = device
-        self._pushed = False
+        self._pushed: Any = None
 
     def __enter__(self) -> int:
-        self._pushed = _make_current(driver(), 0, self._device)
-        return self._device
+        drv = _need_driver("device")
+        device = self._device
+        if device is None:
+            device = -1 if self._ptr else current_device()
+        else:
+            count = _device_count(drv)
+            if not _is_int(device) or not 0 <= device < count:
+                raise ValueError(
+                    f"device={device!r}: this host has {count} CUDA device(s)"
+                )
+        pushed, ctx = _enter(drv, self._ptr, device)
+        if pushed:
+            # Popped from the driver that pushed (tests swap drivers).
+            self._pushed = drv
+        return ctx
 
     def __exit__(self, *exc: object) -> None:
-        if self._pushed:
-            driver().pop()
+        drv = self._pushed
+        if drv is not None:
+            self._pushed = None
+            drv.pop()
 
 
-def prepare(
+def _prepare(
     engine: Any,
     ptr: Any,
     memory_type: int,
@@ -544,49 +597,20 @@ def prepare(
     what: str,
     keep: Any = None,
 ) -> bool:
-    """Get ready to post an operation on ``ptr``; call before posting.
+    """What the :class:`door` does on entry (its parameters and errors).
 
     For CUDA memory: check that the worker's context can move it, make the
-    owning device current.  For a ``stream``: wait, progressing the worker,
-    until the work queued on it before the call has finished.
-
-    Parameters
-    ----------
-    engine : gpucx._engine.Engine
-        The worker's progress engine: its context says what it can move,
-        and it is progressed while waiting for the stream.
-    ptr : int or cdata
-        Address of the buffer.
-    memory_type : int
-        Its ``ucs_memory_type_t``.
-    stream : object
-        As for :func:`as_stream`.
-    what : str
-        The operation, for error messages.
-    keep : object, optional
-        The keepalive :func:`gpucx.mem.buffer.acquire` returned with
-        ``defer=True``: when it is a :class:`~gpucx.mem.buffer.Deferred`,
-        the producer's stream it carries (CAI v3 ``stream``, DLPack
-        consumer stream) is waited for here too, in the owner's context
-        this call made current, before the operation is posted.
+    owning device current.  For a ``stream``, and the producer's stream a
+    :class:`Deferred` ``keep`` carries (CAI v3 ``stream``, DLPack consumer
+    stream): wait, progressing the worker, until the work queued on it
+    before the call has finished, in the owner's context made current here.
 
     Driver calls for device memory whose owner is current and streams that
     are idle: one ``cuCtxGetCurrent``, one ``cuPointerGetAttributes``
     (none on a one-device host with its primary context current, see
     :func:`_enter`) and one ``cuStreamQuery`` per stream to wait for.
 
-    Returns
-    -------
-    bool
-        True when a context was pushed: call :func:`leave` after posting.
-
-    Raises
-    ------
-    gpucx.UnsupportedError
-        CUDA memory on a context that cannot move it (the message names
-        what is missing), or a stream without a CUDA driver.
-    TypeError, ValueError
-        For a bad ``stream`` (see :func:`as_stream`).
+    Returns True when a context was pushed (pop it after posting).
     """
     handle = None if stream is None else as_stream(stream)
     held = keep.stream if type(keep) is Deferred else None
@@ -609,93 +633,63 @@ def prepare(
     return pushed
 
 
-def copy_in(
-    engine: Any,
-    dst: Any,
-    memory_type: int,
-    src: Any,
+def copy_start(
+    ctx: int,
+    streams: dict,
+    dst: int,
+    src: int,
     nbytes: int,
-    stream: Any,
-    what: str,
-    keep: Any = None,
-) -> None:
-    """Copy ``nbytes`` of host memory at ``src`` into CUDA memory at ``dst``.
+    after: Any = (),
+    host_src: bool = False,
+) -> int:
+    """Queue a copy of ``nbytes`` from ``src`` to ``dst`` in the current
+    context ``ctx`` (call it inside :class:`device_context`); return the
+    event recorded after it (wait for it with :func:`event_wait`, or query
+    it: it is ``ctx``'s pooled event, given back by :func:`event_wait`).
 
-    Used where gpucx itself must deliver bytes UCX already received into host
-    memory (an eager active message) to a device buffer: :func:`prepare`
-    (capability, device, stream), then ``cuMemcpy``, which returns once the
-    bytes are in device memory.
-
-    Raises
-    ------
-    gpucx.UnsupportedError
-        As for :func:`prepare`.
-    """
-    pushed = prepare(engine, dst, memory_type, stream, what, keep)
-    try:
-        ffi = _ffi()
-        driver().memcpy(
-            int(ffi.cast("uintptr_t", dst)), int(ffi.cast("uintptr_t", src)), nbytes
-        )
-    finally:
-        leave(pushed)
-
-
-def leave(pushed: bool) -> None:
-    """Undo what :func:`prepare` made current (when it pushed a context)."""
-    if pushed:
-        driver().pop()
-
-
-def htod_start(
-    dst: int, src: int, nbytes: int, streams: dict, after: tuple = ()
-) -> tuple[int, int]:
-    """Queue a copy of ``nbytes`` of page-locked host memory at ``src`` into
-    device memory at ``dst``; return ``(ctx, event)``, the event recorded
-    after the copy in ``dst``'s owner context ``ctx`` (wait for it with
-    :func:`event_wait`).
-
-    The copy runs on ``streams[ctx]``, a non-blocking stream of the caller's
-    (made here on first use; the caller destroys it), after the work queued
-    on each stream of ``after`` now (``cuStreamWaitEvent``: stream order
-    without the host waiting).  The owner context is made current for the
-    calls and left as it was.
+    The copy runs on ``streams[ctx]``, a non-blocking stream of the
+    caller's (made here on first use; the caller destroys it with
+    :func:`destroy_streams`), after the work queued on each stream of
+    ``after`` now (``cuStreamWaitEvent``: stream order without the host
+    waiting).  ``host_src``: ``src`` is page-locked host memory
+    (``cuMemcpyHtoDAsync``); otherwise the driver tells the direction from
+    the addresses (``cuMemcpyAsync``).
 
     Raises
     ------
     gpucx.UnsupportedError
         Without a usable CUDA driver.
     DriverError
-        If the driver refuses a call (nothing is left queued or pushed).
+        If the driver refuses a call (nothing is left queued).
     """
     drv = _need_driver("copy to device memory")
-    pushed, ctx = _enter(drv, dst, -1)
-    try:
-        s = streams.get(ctx)
-        if s is None:
-            s = streams[ctx] = drv.stream_create()
-        for h in after:
-            ev = _events.take(drv, ctx)
-            try:
-                drv.event_record(ev, h)
-                drv.stream_wait_event(s, ev)
-            finally:
-                _events.give(ctx, ev)
-        drv.memcpy_htod_async(dst, src, nbytes, s)
+    s = streams.get(ctx)
+    if s is None:
+        s = streams[ctx] = drv.stream_create()
+    for h in after:
+        # The pooled event goes back at once: a later record of it does not
+        # change this wait.
         ev = _events.take(drv, ctx)
         try:
-            drv.event_record(ev, s)
-        except BaseException:
-            drv.event_destroy(ev)
-            raise
-    finally:
-        if pushed:
-            drv.pop()
-    return ctx, ev
+            drv.event_record(ev, h)
+            drv.stream_wait_event(s, ev)
+        finally:
+            _events.give(ctx, ev)
+    if host_src:
+        drv.memcpy_htod_async(dst, src, nbytes, s)
+    else:
+        drv.memcpy_async(dst, src, nbytes, s)
+    ev = _events.take(drv, ctx)
+    try:
+        drv.event_record(ev, s)
+    except BaseException:
+        drv.event_destroy(ev)
+        raise
+    return ev
 
 
 def event_wait(ctx: int, event: int, progress: Callable[[], object]) -> None:
-    """Poll ``event`` (from :func:`htod_start`, :func:`wait_stream`) until
+    """Poll ``event`` (from :func:`copy_start`, :func:`wait_stream`) until
     it fired, calling ``progress()`` between polls (a worker keeps moving
     meanwhile), then give it back to the pool of ``ctx``.
 
@@ -719,7 +713,7 @@ def event_wait(ctx: int, event: int, progress: Callable[[], object]) -> None:
 
 def destroy_streams(streams: dict) -> None:
     """Destroy the streams of ``streams`` (``ctx -> stream``: those
-    :func:`htod_start` made, gpucx's CUDA IPC copy streams), each in its
+    :func:`copy_start` made, gpucx's CUDA IPC copy streams), each in its
     context, and empty it; a context already gone took its streams with
     it."""
     drv = driver()
@@ -741,13 +735,49 @@ def destroy_streams(streams: dict) -> None:
 
 
 class door:
-    """The one door for posting an operation on CUDA memory, or one given a
-    ``stream``: ``with door(engine, ptr, memory_type, stream, what):`` runs
-    :func:`prepare` on entry and :func:`leave` on exit, whatever happens in
-    between, so that a failure can never leave a device context pushed.
+    """The one door for an operation that posts (or receives into) memory
+    that may be on a device, or that waits for a ``stream=`` first.
+
+    ``with door(engine, ptr, memory_type, stream, what, keep):`` runs on
+    entry what the operation needs before it posts: for CUDA memory, checks
+    that the worker's context can move it and makes the owning device
+    current; for a ``stream`` (and the producer stream a
+    :class:`Deferred` ``keep`` carries), waits for it, progressing the
+    worker.  On exit it pops what it pushed, whatever happens in between,
+    so that a failure can never leave a device context pushed.  The wait
+    for the posted operation belongs after the block: no context stays
+    pushed while a wait runs handlers (user code).
+
+    Two modes pass the same door without a post inside it:
+    :meth:`ready` and :meth:`copy_in`.
 
     Operations test ``mt != HOST or stream is not None`` first and post host
     memory without it: the host fast path pays for no context manager.
+
+    Parameters
+    ----------
+    engine : gpucx._engine.Engine
+        The worker's progress engine: its context says what it can move,
+        and it is progressed while a stream is waited for.
+    ptr : int or cdata
+        Address of the buffer.
+    memory_type : int
+        Its ``ucs_memory_type_t``.
+    stream : object
+        As for :func:`as_stream`.
+    what : str
+        The operation, for error messages.
+    keep : object, optional
+        The keepalive :func:`gpucx.mem.buffer.acquire` returned with
+        ``defer=True``.
+
+    Raises
+    ------
+    gpucx.UnsupportedError
+        On entry: CUDA memory on a context that cannot move it (the message
+        names what is missing), or a stream without a CUDA driver.
+    TypeError, ValueError
+        On entry, for a bad ``stream`` (see :func:`as_stream`).
     """
 
     __slots__ = ("_args", "_pushed")
@@ -765,23 +795,46 @@ class door:
         self._pushed = False
 
     def __enter__(self) -> None:
-        self._pushed = prepare(*self._args)
+        self._pushed = _prepare(*self._args)
 
     def __exit__(self, *exc: object) -> None:
         if self._pushed:
             self._pushed = False
             driver().pop()
 
+    def ready(self) -> None:
+        """Pass the door without posting through it: check that the context
+        can move the memory and wait for the streams, leaving no context
+        pushed (for operations that post later, or not to UCX).
 
-def ready(
-    engine: Any, ptr: Any, memory_type: int, stream: Any, what: str, keep: Any = None
-) -> None:
-    """Pass the :class:`door` without posting through it: check that the
-    context can move ``ptr``'s memory and wait for ``stream`` (and the
-    stream a :class:`~gpucx.mem.buffer.Deferred` ``keep`` carries), leaving
-    no context pushed (for operations that post later, or not to UCX)."""
-    if prepare(engine, ptr, memory_type, stream, what, keep):
-        driver().pop()
+        Raises
+        ------
+        gpucx.UnsupportedError, TypeError, ValueError
+            As on entry.
+        """
+        if _prepare(*self._args):
+            driver().pop()
+
+    def copy_in(self, src: Any, nbytes: int) -> None:
+        """Copy ``nbytes`` of host memory at ``src`` into the door's CUDA
+        memory, inside the door (``cuMemcpy``, which returns once the bytes
+        are in device memory): where gpucx itself delivers bytes UCX already
+        received into host memory (an eager active message).
+
+        Raises
+        ------
+        gpucx.UnsupportedError, TypeError, ValueError
+            As on entry.
+        DriverError
+            If the driver refuses the copy.
+        """
+        with self:
+            ffi = _ffi()
+            driver().memcpy(
+                int(ffi.cast("uintptr_t", self._args[1])),
+                int(ffi.cast("uintptr_t", src)),
+                nbytes,
+            )
 
 
 def _ffi() -> Any:

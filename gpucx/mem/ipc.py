@@ -55,14 +55,12 @@ def export(ptr: int, nbytes: int, memory_type: MemoryType) -> CudaIpc | None:
     drv = _cuda.driver()
     if drv is None or not hasattr(drv, "ipc_get_handle"):
         return None
-    pushed = _cuda.enter(ptr)
     try:
-        base, size = drv.address_range(ptr)
-        handle = drv.ipc_get_handle(base)
+        with _cuda.device_context(ptr=ptr):
+            base, size = drv.address_range(ptr)
+            handle = drv.ipc_get_handle(base)
     except _cuda.DriverError:
         return None
-    finally:
-        _cuda.leave(pushed)
     if not (base <= ptr and ptr + nbytes <= base + size):
         return None
     me = _address.own_identity()
@@ -173,13 +171,11 @@ class Mapping:
         self.copies.clear()
         if drv is None:
             return
-        pushed = _cuda.enter(0, self.device)
-        try:
-            drv.ipc_close(self.base)
-        except _cuda.DriverError:
-            pass  # nothing to undo: the mapping is gone with the driver's error
-        finally:
-            _cuda.leave(pushed)
+        with _cuda.device_context(device=self.device):
+            try:
+                drv.ipc_close(self.base)
+            except _cuda.DriverError:
+                pass  # nothing to undo: the mapping is gone with the driver's error
 
 
 def mapping(rkey: Any) -> Mapping | None:
@@ -209,9 +205,7 @@ def mapping(rkey: Any) -> Mapping | None:
     device = rkey._ipc_device
     if device is None:
         device = _cuda.current_device()
-    pushed = _cuda.enter(0, device)
-    try:
-        ctx = drv.current_context()
+    with _cuda.device_context(device=device) as ctx:
         try:
             base = drv.ipc_open(ipc.handle)
         except _cuda.DriverError as exc:
@@ -231,8 +225,6 @@ def mapping(rkey: Any) -> Mapping | None:
                 f"the token claims a region at offset {ipc.offset} of "
                 f"{rkey.remote.nbytes} bytes (a forged or corrupted token)"
             )
-    finally:
-        _cuda.leave(pushed)
     m = Mapping(base, base + ipc.offset, ctx, device)
     rkey._ipc = m
     return m

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from contextlib import nullcontext
+from typing import Any
 
 import numpy
 
@@ -382,13 +384,13 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         # still closes with the allocation, whose memory it is.
         memh, own = parent._h, False
     else:
-        pushed = False
+        current: Any = nullcontext()
         if buf.memory_type in CUDA_TYPES:
             # UCX registers device memory in the current context: make the
             # owner of the pointer current.
             _cuda.check(ctx, "register")
-            pushed = _cuda.enter(buf.ptr)
-        try:
+            current = _cuda.device_context(ptr=buf.ptr)
+        with current:
             memh, _addr, _len, _mt = _map(
                 ctx,
                 ffi.cast("void *", buf.ptr),
@@ -397,8 +399,6 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
                 False,
                 not writable,
             )
-        finally:
-            _cuda.leave(pushed)
         own = True
     region = MemoryRegion(
         ctx,
@@ -502,7 +502,7 @@ def _allocate_cuda(ctx, nbytes, mt, device, allocator) -> MemoryRegion:
     _cuda.check(ctx, "allocate")
     if device is None:
         device = _cuda.current_device()
-    with _cuda.on_device(device):
+    with _cuda.device_context(device=device):
         if allocator is None:
             obj = _cupy_allocator(nbytes, int(mt), device)
         else:

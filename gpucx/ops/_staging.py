@@ -132,11 +132,8 @@ class Pool:
             self._trim()
             if self.total + size > self.cap:
                 return None  # the rest is lent: take the direct path
-        pushed = _cuda.enter(dst)
-        try:
+        with _cuda.device_context(ptr=dst):
             ptr = _cuda.driver().mem_host_alloc(size, _cuda.HOSTALLOC_PORTABLE)
-        finally:
-            _cuda.leave(pushed)
         self.total += size
         self.allocs += 1
         self.lent += 1
@@ -200,7 +197,10 @@ def copy_in(
         If the driver refuses the copy or reports an error for it.
     """
     try:
-        ctx, ev = _cuda.htod_start(dst, b.ptr, nbytes, pool.streams, after)
+        with _cuda.device_context(ptr=dst) as ctx:
+            ev = _cuda.copy_start(
+                ctx, pool.streams, dst, b.ptr, nbytes, after, host_src=True
+            )
         _cuda.event_wait(ctx, ev, progress)
     finally:
         pool.give(b)

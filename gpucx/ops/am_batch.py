@@ -137,7 +137,7 @@ class AmBatch(Prepared):
                     got = acquire(buf, False, None)
                     if got[2] != _HOST:
                         # Checks that this context can move it.
-                        _cuda.ready(e, got[0], got[2], None, _WHAT)
+                        _cuda.door(e, got[0], got[2], None, _WHAT).ready()
                     seen[id(buf)] = got
                     keep.append((buf, got[3]))
             except (TypeError, ValueError, BufferError, UCXError) as exc:

@@ -436,7 +436,7 @@ def _allocate(allocator, nbytes: int, memory_type: int, device: int | None):
     if allocator is None:
         return _default_allocator(nbytes, memory_type, device)
     if device is not None and memory_type in _CUDA_INTS:
-        with _cuda.on_device(device):
+        with _cuda.device_context(device=device):
             return allocator(nbytes, memory_type)
     return allocator(nbytes, memory_type)
 

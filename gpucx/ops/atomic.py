@@ -166,7 +166,7 @@ def _post_args(ep, rkey, op, fetch, value, swap_value, offset, nbytes, what, str
     e = ep._engine
     if stream is not None:
         # Host operands: nothing is made current, ready() only waits.
-        _cuda.ready(e, 0, _HOST, stream, what)
+        _cuda.door(e, 0, _HOST, stream, what).ready()
     emulate = ep._peer_mode
     amo = ffi.new("gpucx_amo_t *")
     args = (

@@ -139,12 +139,6 @@ class _CopyStreams:
         self.lock = threading.Lock()
         e.on_close.append(self.close)
 
-    def stream(self, drv, ctx: int) -> int:
-        s = self.streams.get(ctx)
-        if s is None:
-            s = self.streams[ctx] = drv.stream_create()
-        return s
-
     def close(self) -> None:
         """The worker closes: finish every copy, destroy the streams."""
         copies = self.engine.copies
@@ -190,38 +184,20 @@ def post(
     """
     handle = None if stream is None else _cuda.as_stream(stream)
     held = keep.stream if type(keep) is _cuda.Deferred else None
-    drv = _cuda.driver()
     e = ep._engine
     if not isinstance(ptr, int):
         ptr = int(ffi.cast("uintptr_t", ptr))
     remote = m.ptr + (raddr - rkey._base)
     src, dst = (remote, ptr) if is_get else (ptr, remote)
-    pushed = _cuda.enter(0, m.device)
-    try:
-        ctx = m.ctx
-        s = _streams(e).stream(drv, ctx)
-        waits = [] if held is None else [held]
-        if handle is not None and handle != held:
-            waits.append(handle)
-        for h in waits:
-            # Stream order without blocking the host: gpucx's stream waits
-            # for what is queued on the caller's stream now.  (A later
-            # record of the pooled event does not change this wait.)
-            ev = _cuda._events.take(drv, ctx)
-            try:
-                drv.event_record(ev, h)
-                drv.stream_wait_event(s, ev)
-            finally:
-                _cuda._events.give(ctx, ev)
-        drv.memcpy_async(dst, src, n, s)
-        ev = _cuda._events.take(drv, ctx)
-        try:
-            drv.event_record(ev, s)
-        except BaseException:
-            drv.event_destroy(ev)
-            raise
-    finally:
-        _cuda.leave(pushed)
+    waits = [] if held is None else [held]
+    if handle is not None and handle != held:
+        waits.append(handle)
+    # Stream order without blocking the host: gpucx's stream waits for what
+    # is queued on the caller's streams now.  The mapping's context is the
+    # device's primary, which device_context makes current.
+    ctx = m.ctx
+    with _cuda.device_context(device=m.device):
+        ev = _cuda.copy_start(ctx, _streams(e).streams, dst, src, n, waits)
     copy = _ipc.Copy(new_slot(), ev, ctx, m)
     then = None
     if note is not None:

@@ -106,13 +106,11 @@ def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     # context: have one current (device=, else the thread's device; a
     # progress thread may have none).  Without a local driver the key can
     # still serve RDMA.
-    pushed = False
     if cuda_key and drv is not None:
-        pushed = _cuda.enter(0, _cuda.current_device() if device is None else device)
-    try:
+        with _cuda.device_context(device=device):
+            key = RemoteKey(ep, rem)
+    else:
         key = RemoteKey(ep, rem)
-    finally:
-        _cuda.leave(pushed)
     # gpucx's own path opens the key's CUDA IPC handle (if any) in this
     # device's context, at the first put or get that uses it.
     key._ipc_device = device
@@ -664,7 +662,7 @@ def _entry(ep, e, what: str, is_get: bool, entry):
     raddr = _key(rkey)._target(ep, offset, n, what, not is_get)
     if mt != _HOST:
         # Checks that this context can move it (UnsupportedError).
-        _cuda.ready(e, ptr, mt, None, what)
+        _cuda.door(e, ptr, mt, None, what).ready()
     return ptr, n, mt, keep, rkey, raddr
 
 

@@ -238,11 +238,11 @@ class AmMessage:
         rec = self._pair[0]
         if mt == _HOST or not nbytes:
             if stream is not None or type(keep) is _Deferred:
-                _cuda.ready(e, ptr, mt, stream, _RECV, keep)
+                _cuda.door(e, ptr, mt, stream, _RECV, keep).ready()
             ffi.memmove(ptr, rec.data, nbytes)
         elif mt in _CUDA_TYPES:
             # UCX delivered the eager payload to host memory: copy it in.
-            _cuda.copy_in(e, ptr, mt, rec.data, nbytes, stream, _RECV, keep)
+            _cuda.door(e, ptr, mt, stream, _RECV, keep).copy_in(rec.data, nbytes)
         else:
             raise UnsupportedError(
                 "receive_into: an eager active message can only be copied into "

@@ -73,7 +73,7 @@ def _recv_target(e, buf, stream, what: str):
             f"{_memtype_name(mt)} memory"
         )
     if mt != _HOST or stream is not None:
-        _cuda.ready(e, ptr, mt, stream, _RECV, keep)
+        _cuda.door(e, ptr, mt, stream, _RECV, keep).ready()
     return ptr, n, mt, keep
 
 
@@ -90,7 +90,7 @@ def _copy_kept(e, msg, ptr, mt) -> int:
     """Copy the kept eager message C handed over (``GPUCX_AM_COPY_IN``)
     into device memory at ``ptr`` and give its data back; its length."""
     try:
-        _cuda.copy_in(e, ptr, mt, msg.data, msg.length, None, _RECV)
+        _cuda.door(e, ptr, mt, None, _RECV).copy_in(msg.data, msg.length)
     finally:
         lib.gpucx_am_release(e.h, msg)
     return msg.length
@@ -321,7 +321,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
     device = any(g[2] != _HOST for g in got)
     mts = ffi.new(_MTS, [g[2] for g in got]) if device else ffi.NULL
     if stream is not None and not device:
-        _cuda.ready(e, ffi.NULL, _HOST, stream, _RECV)
+        _cuda.door(e, ffi.NULL, _HOST, stream, _RECV).ready()
     reg = _recv_reg(am, am_id)
     members = ffi.new(_SLOTS, max(n, 1))
     group = ffi.new(_GROUP)
