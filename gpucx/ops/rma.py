@@ -23,6 +23,7 @@ from __future__ import annotations
 from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
+from .._internal import engine
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
@@ -110,12 +111,11 @@ def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     if cuda_key and drv is not None:
         pushed = _cuda.enter(0, _cuda.current_device() if device is None else device)
     try:
-        key = RemoteKey(ep, rem)
+        # gpucx's own path opens the key's CUDA IPC handle (if any) in
+        # this device's context, at the first put or get that uses it.
+        key = RemoteKey(ep, rem, device)
     finally:
         _cuda.leave(pushed)
-    # gpucx's own path opens the key's CUDA IPC handle (if any) in this
-    # device's context, at the first put or get that uses it.
-    key._ipc_device = device
     return key
 
 
@@ -725,7 +725,7 @@ def notifications(worker, timeout: float | None = None) -> list:
     gpucx.ClosedError
         If the worker is closed.
     """
-    e = worker._engine
+    e = engine(worker)
     h = e.h
     if h is None:
         raise_closed(worker)
@@ -773,7 +773,7 @@ def set_notify_handler(worker, handler) -> None:
     gpucx.ClosedError
         If the worker is closed.
     """
-    e = worker._engine
+    e = engine(worker)
     if e.h is None:
         raise_closed(worker)
     if handler is not None and not callable(handler):
