@@ -194,7 +194,7 @@ def post(
     e = ep._engine
     if not isinstance(ptr, int):
         ptr = int(ffi.cast("uintptr_t", ptr))
-    remote = m.ptr + (raddr - rkey._base)
+    remote = m.ptr + (raddr - rkey.address)
     src, dst = (remote, ptr) if is_get else (ptr, remote)
     pushed = _cuda.enter(0, m.device)
     try:
