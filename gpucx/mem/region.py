@@ -316,13 +316,13 @@ def _cupy_view(region, memory, dt, shape, need):
     return cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _map(ctx_h, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
+def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
     memh = ffi.new("ucp_mem_h *")
     addr = ffi.new("uint64_t *")
     length = ffi.new("size_t *")
     mtype = ffi.new("int *")
     st = lib.gpucx_mem_map(
-        ctx_h,
+        handle(ctx),
         ptr,
         nbytes,
         memory_type,
@@ -369,8 +369,7 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     gpucx.ClosedError
         If the context is closed.
     """
-    ctx_h = handle(ctx)
-    if ctx_h is None:
+    if ctx.closed:
         raise_closed(ctx)
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
@@ -395,7 +394,7 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
             pushed = _cuda.enter(buf.ptr)
         try:
             memh, _addr, _len, _mt = _map(
-                ctx_h,
+                ctx,
                 ffi.cast("void *", buf.ptr),
                 buf.nbytes,
                 int(buf.memory_type),
@@ -463,8 +462,7 @@ def allocate(
     gpucx.ClosedError
         If the context is closed.
     """
-    ctx_h = handle(ctx)
-    if ctx_h is None:
+    if ctx.closed:
         raise_closed(ctx)
     if not isinstance(nbytes, int) or isinstance(nbytes, bool):
         raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
@@ -477,7 +475,7 @@ def allocate(
         raise ValueError(
             f"device= and allocator= apply to CUDA memory, not {mt.name} memory"
         )
-    memh, addr, _length, got = _map(ctx_h, ffi.NULL, nbytes, int(mt), True)
+    memh, addr, _length, got = _map(ctx, ffi.NULL, nbytes, int(mt), True)
     try:
         got_mt = MemoryType(got)
     except ValueError:

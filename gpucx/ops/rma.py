@@ -111,11 +111,12 @@ def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     if cuda_key and drv is not None:
         pushed = _cuda.enter(0, _cuda.current_device() if device is None else device)
     try:
-        # gpucx's own path opens the key's CUDA IPC handle (if any) in
-        # this device's context, at the first put or get that uses it.
         key = RemoteKey(ep, rem, device)
     finally:
         _cuda.leave(pushed)
+    # gpucx's own path opens the key's CUDA IPC handle (if any) in this
+    # device's context (``device``, which the key keeps), at the first put
+    # or get that uses it.
     return key
 
 
