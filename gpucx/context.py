@@ -249,13 +249,14 @@ class Context(Handle):
         # second worker's endpoints would wait out the deadline for a peer
         # already destroyed with operations it had not served (an emulated
         # put's completion, a rendezvous message nobody took).
+        from .worker import Worker
+
         workers: list[Any] = [
-            c for c in self._children if c._is_worker and c._h is not None
+            c for c in self._children if isinstance(c, Worker) and not c.closed
         ]
         for w in workers:
-            w._serve()
-            w._give_back_unreceived()
-        self._close_all(c for w in workers for c in w._children if c._is_endpoint)
+            w._let_go_of_peers()
+        self._close_all(ep for w in workers for ep in w._endpoints())
         super()._close_children()
 
     def _release(self) -> None:

@@ -360,9 +360,23 @@ class Worker(Handle):
         flush (a sibling worker's close too) would wait out its deadline."""
         _am.give_back_unreceived(self._engine)
 
-    def _close_children(self) -> None:
+    def _let_go_of_peers(self) -> None:
+        """What a closing worker does first, while its endpoints and its
+        context's other workers live (``Context._close_children`` does it
+        for every worker before any endpoint goes): serve what peers sent,
+        and give back what nobody received."""
         self._serve()
         self._give_back_unreceived()
+
+    def _endpoints(self) -> list:
+        """This worker's endpoints (the children it adopted that are
+        endpoints; closing one already closed does nothing)."""
+        from .endpoint import Endpoint
+
+        return [c for c in self._children if isinstance(c, Endpoint)]
+
+    def _close_children(self) -> None:
+        self._let_go_of_peers()
         super()._close_children()
 
     def _release(self) -> None:
