@@ -71,7 +71,8 @@ class QueueStats:
 def caps(context, queue: str) -> tuple[int, int]:
     """The (count, bytes) caps of ``queue`` for a context's workers."""
     count, nbytes = CAPS[queue]
-    return int(context._options[count]), int(context._options[nbytes])
+    options = context.options
+    return int(options[count]), int(options[nbytes])
 
 
 def _from_c(q) -> QueueStats:

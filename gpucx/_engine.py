@@ -345,6 +345,12 @@ class Engine:
         """Stop tracking ``req`` (it finished, or was parked)."""
         self.pending.discard(req)
 
+    def pending_on(self, ep) -> list:
+        """The pending requests of operations on endpoint ``ep``
+        (:attr:`gpucx.Request.endpoint`): what its close drains or gives
+        up."""
+        return [r for r in self.pending if r.endpoint is ep]
+
     def sweep(self) -> None:
         """Complete the finished requests nobody looked at
         (``Request.__init__`` calls it once the pending set doubled since the

@@ -99,11 +99,16 @@ class Handle:
         for child in sorted(
             list(children), key=lambda c: getattr(c, "_serial", 0), reverse=True
         ):
-            if deadline is not None and (
-                child._deadline is None or child._deadline > deadline
-            ):
-                child._deadline = deadline
-            child.close()
+            child._close_by(deadline)
+
+    def _close_by(self, deadline: float | None) -> None:
+        """Close within ``deadline`` (a parent's, handed down; None: this
+        handle's own), or sooner if this handle's own deadline is earlier."""
+        if deadline is not None and (
+            self._deadline is None or self._deadline > deadline
+        ):
+            self._deadline = deadline
+        self.close()
 
     def _release(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -141,9 +146,14 @@ class Handle:
                     self._closed_reason = "closed"
                 parent = self._parent
                 if parent is not None:
-                    parent._live -= 1
-                    if parent._deferred and parent._live == 0:
-                        parent.close(timeout=DROP_CLOSE_TIMEOUT_S)
+                    parent._child_closed()
+
+    def _child_closed(self) -> None:
+        """One child adopted here closed: once the last one did, a close
+        garbage collection deferred (``__del__``) runs."""
+        self._live -= 1
+        if self._deferred and self._live == 0:
+            self.close(timeout=DROP_CLOSE_TIMEOUT_S)
 
     def _abandon(self, reason: str) -> None:
         """Forget the UCX handle without calling UCX (forked child)."""

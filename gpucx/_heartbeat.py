@@ -159,7 +159,7 @@ def check(engine, ep=None) -> None:
     if ep is not None and ep in beats:
         busy.add(ep)
     for r in engine.pending:
-        e = r._ep
+        e = r.endpoint
         if e is not None and r._slot.status == _INPROGRESS and e in beats:
             busy.add(e)
     for e, b in list(beats.items()):

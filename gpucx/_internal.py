@@ -25,6 +25,7 @@ from ._lib import ffi
 __all__ = [
     "engine",
     "handle",
+    "amo_exports",
     "rkey_handle",
     "park",
     "am_recv_registration",
@@ -48,6 +49,14 @@ def handle(obj: Any) -> Any:
     For C loops that take the handle directly (``gpucx/_csrc/bench.c``);
     the caller checks ``None`` (or has checked the object is open)."""
     return obj._h
+
+
+def amo_exports(ctx: Any) -> Any:
+    """The ``gpucx_amo_exports_t *`` of a Context: the regions exported for
+    gpucx's emulated atomics, which a region adds itself to when its key is
+    packed (``gpucx.mem.region``) and a worker serves from
+    (``gpucx.ops.atomic``)."""
+    return ctx._amo_exports
 
 
 def rkey_handle(rmem: Any) -> Any:

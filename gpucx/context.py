@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -144,13 +145,10 @@ class Context(Handle):
         #: ``GPUCX_ON_TIMEOUT``: ``"park"`` or ``"release"``, the default
         #: of every endpoint's :attr:`Endpoint.on_timeout`.
         self.on_timeout = _config.ON_TIMEOUT_MODES[int(own["ON_TIMEOUT"])]
-        self._peer_interval = own["PEER_CHECK_INTERVAL"]
         #: ``GPUCX_MAX_STRANDED_BYTES``: bytes that operations given up on
         #: same-host endpoints may hold before ``connect(mode="same-host")``
         #: refuses (0 = no limit; :attr:`gpucx.Worker.stranded_bytes`).
         self.max_stranded_bytes = int(own["MAX_STRANDED_BYTES"])
-        self._spin_ns = int(own["SPIN_US"] * 1000)
-        #: gpucx's own same-host path for put/get on CUDA regions (ops.ipc).
         self._cuda_ipc_rma = bool(own["CUDA_IPC_RMA"])
         self._max_array_bytes = int(own["MAX_ARRAY_BYTES"])
         self._options = own
@@ -175,6 +173,23 @@ class Context(Handle):
         out: dict[str, float | str] = dict(self._options)
         out["ON_TIMEOUT"] = self.on_timeout
         return out
+
+    @property
+    def cuda_ipc_rma(self) -> bool:
+        """``GPUCX_CUDA_IPC_RMA``: whether gpucx's own same-host path
+        serves puts and gets on CUDA regions of a peer on this host (the
+        owner's allocation mapped through its CUDA IPC handle, copies by
+        the copy engines: docs/rma.md); False leaves every operation to
+        UCX."""
+        return self._cuda_ipc_rma
+
+    @property
+    def max_array_bytes(self) -> int:
+        """``GPUCX_MAX_ARRAY_BYTES``: the largest array
+        :meth:`Endpoint.recv_array` accepts when its ``max_bytes`` is None
+        (0 = no limit); a larger one is refused before anything is
+        allocated."""
+        return self._max_array_bytes
 
     @property
     def memory_types(self) -> frozenset[MemoryType]:
@@ -234,13 +249,14 @@ class Context(Handle):
         # second worker's endpoints would wait out the deadline for a peer
         # already destroyed with operations it had not served (an emulated
         # put's completion, a rendezvous message nobody took).
+        from .worker import Worker
+
         workers: list[Any] = [
-            c for c in self._children if c._is_worker and c._h is not None
+            c for c in self._children if isinstance(c, Worker) and not c.closed
         ]
         for w in workers:
-            w._serve()
-            w._give_back_unreceived()
-        self._close_all(c for w in workers for c in w._children if c._is_endpoint)
+            w._let_go_of_peers()
+        self._close_all(ep for w in workers for ep in w._endpoints())
         super()._close_children()
 
     def _release(self) -> None:
@@ -250,6 +266,26 @@ class Context(Handle):
             self._cleanup_deferred = True
             return
         self._cleanup(self._h)
+
+    def _unmap_when_gone(self, memory, memh) -> None:
+        """Unmap ``memh``, the mapping of a closed region whose memory UCX
+        allocated, once ``memory`` (what the region's array views hold) is
+        gone: the memory is the mapping's, and a view still uses it.  This
+        context's cleanup waits for it (gpucx.mem.region)."""
+        self._deferred_maps += 1
+        weakref.finalize(memory, self._unmapped, self._h, memh, os.getpid())
+
+    def _unmapped(self, h, memh, pid: int) -> None:
+        """The last view of a closed region allocated by UCX is gone: unmap
+        it, and finish the cleanup if it waited for that.  Never in a forked
+        child (the UCX state belongs to the parent)."""
+        if os.getpid() != pid:
+            return
+        lib.gpucx_mem_unmap(h, memh)
+        self._deferred_maps -= 1
+        if self._deferred_maps == 0 and self._cleanup_deferred:
+            self._cleanup_deferred = False
+            self._cleanup(h)
 
     def _cleanup(self, h) -> None:
         lib.ucp_cleanup(h)

@@ -33,7 +33,7 @@ from .ops import ipc as _own
 from .ops import rma as _rma
 from .ops import stream as _stream
 from .ops import tag as _tag
-from .request import finish
+from .request import finish, in_flight
 
 __all__ = ["Endpoint"]
 
@@ -349,7 +349,7 @@ class Endpoint(Handle):
         same_host = self._same_host and strand
         held = []
         if reqs is None:
-            reqs = [r for r in e.pending if r._ep is self]
+            reqs = e.pending_on(self)
         else:  # those not settled meanwhile
             reqs = [r for r in reqs if r in e.pending]
         for req in reqs:
@@ -824,9 +824,8 @@ class Endpoint(Handle):
         if force:
             # A force close completes this endpoint's requests (canceled)
             # from inside progress; let them land before the caller looks.
-            mine = [r for r in e.pending if r._ep is self]
-            e.drain(mine, time.monotonic() + CLOSE_GRACE_S)
-        if any(r._ep is self and r._slot.status == INPROGRESS for r in e.pending):
+            e.drain(e.pending_on(self), time.monotonic() + CLOSE_GRACE_S)
+        if any(in_flight(r) for r in e.pending_on(self)):
             return  # UCX may still use the keys: never free them under it
         for rkey in self._late_rkeys:
             lib.gpucx_rkey_destroy(rkey)
@@ -841,13 +840,13 @@ class Endpoint(Handle):
         lib.gpucx_ep_flush(self._h, slot)  # a final status lands in the slot
         # Receives on the endpoint (stream) wait for the peer to send, which
         # it may never do: the close cancels them rather than waiting.
-        mine = [r for r in e.pending if r._ep is self and r._what != _stream.RECV]
+        mine = [r for r in e.pending_on(self) if r._what != _stream.RECV]
 
         def drained() -> bool:
             nonlocal mine
             if slot.status == INPROGRESS:
                 return False
-            mine = [r for r in mine if r._slot.status == INPROGRESS]
+            mine = [r for r in mine if in_flight(r)]
             return not mine
 
         try:

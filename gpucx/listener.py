@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._handle import Handle, raise_closed
+from ._internal import engine, handle
 from ._lib import ffi, lib
 from .errors import check
 
@@ -17,14 +18,15 @@ class Listener(Handle):
     """
 
     def __init__(self, worker, host: str, port: int):
-        if worker._h is None:
+        worker_h = handle(worker)
+        if worker_h is None:
             raise_closed(worker)
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be in 0..65535, not {port!r}")
         self._init_handle()
         state = ffi.new("gpucx_listener_state_t *")
         check(
-            lib.gpucx_listener_create(worker._h, host.encode(), port, state),
+            lib.gpucx_listener_create(worker_h, host.encode(), port, state),
             f"ucp_listener_create({host}:{port})",
         )
         self._state = state
@@ -60,7 +62,7 @@ class Listener(Handle):
         """
         what = f"no connection on {self.host}:{self.port}"
         accept = self._try_accept
-        return self._w._engine.wait_for(lambda: accept(error_handling), timeout, what)
+        return engine(self._w).wait_for(lambda: accept(error_handling), timeout, what)
 
     def _try_accept(self, error_handling: bool = True):
         """The endpoint of the oldest queued connection request, or None."""

@@ -60,9 +60,11 @@ import re
 import sys
 import types
 import warnings
+import weakref
 from typing import Any
 
 from ._handle import raise_closed
+from ._internal import handle
 from ._lib import ffi, lib
 from .errors import SlowPathWarning, UCXError
 
@@ -361,11 +363,15 @@ def _printed(fn, handle) -> str:
         lib.gpucx_free(p)
 
 
+#: What request queries taught about each endpoint (weakly, by endpoint).
+_learnt_by_ep: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _learnt(ep) -> dict:
     """What request queries taught about ``ep``: {(op, local, length): row}."""
-    d = ep.__dict__.get("_proto_learnt")
+    d = _learnt_by_ep.get(ep)
     if d is None:
-        d = ep._proto_learnt = {}
+        d = _learnt_by_ep[ep] = {}
     return d
 
 
@@ -378,8 +384,8 @@ def protocols(ep) -> list[Protocol]:
     gpucx.ClosedError
         If the endpoint (or its worker) is closed.
     """
-    h = ep._h
-    wh = ep._w._h
+    h = handle(ep)
+    wh = handle(ep.worker)
     if h is None or wh is None:
         raise_closed(ep)
     rows = parse_tables(_printed(lib.gpucx_ep_info, h), "ucp_ep_print_info")
@@ -515,7 +521,7 @@ def protocol(
     if rkey is not None:
         remote = memory_name(rkey.memory_type)
     if not variant and _own_route(ep, op, local, remote, rkey):
-        if ep._h is None:
+        if ep.closed:
             raise_closed(ep)
         return own_path(op, ep, local, remote)
     return _match(protocols(ep), op, nbytes, local, remote, variant)

@@ -111,14 +111,6 @@ def raise_status(st: int, what: str, ep=None, slot=None, nbytes=None) -> None:
     raise exc
 
 
-def _raise_if_peer_died(req) -> None:
-    """Raise PeerError if ``req`` was canceled by gpucx force-closing a dead
-    peer's endpoint (see gpucx.Endpoint._peer_died)."""
-    found = req._engine.suspects.pop(req, None)
-    if found is not None and time.monotonic() < found[1]:
-        raise peer_gone(req._what, found[0])
-
-
 class Request:
     """One outstanding operation.
 
@@ -177,6 +169,13 @@ class Request:
         return f"<gpucx.Request {self._what} {state}>"
 
     @property
+    def endpoint(self):
+        """The :class:`~gpucx.Endpoint` the operation runs on, or None for
+        an operation of no endpoint (a worker-wide tag or active-message
+        receive, or a request finished when it was made)."""
+        return self._ep
+
+    @property
     def protocol(self):
         """The protocol UCX selected for this operation
         (:class:`gpucx.protocols.Protocol`, from ``ucp_request_query``)
@@ -198,13 +197,20 @@ class Request:
             self._state = 2
             try:
                 if st == CANCELED and self._engine.suspects:
-                    _raise_if_peer_died(self)
+                    self._raise_if_peer_died()
                 raise_status(st, self._what, self._ep, slot, self._nbytes)
             except UCXError as exc:
                 self._value = exc
         self._keep = None
         self._holds = None
         self._engine.pending.discard(self)
+
+    def _raise_if_peer_died(self) -> None:
+        """Raise PeerError if this request was canceled by gpucx
+        force-closing a dead peer's endpoint (see gpucx.Endpoint._peer_died)."""
+        found = self._engine.suspects.pop(self, None)
+        if found is not None and time.monotonic() < found[1]:
+            raise peer_gone(self._what, found[0])
 
     def _fail(self, exc: UCXError) -> None:
         """Settle as failed while UCX still holds the operation (the caller
@@ -388,6 +394,36 @@ class Request:
         """Alias of :meth:`cancelled` as a property (kept for old code)."""
         return self.cancelled()
 
+    # -- read by the layers above (engine_of, observe, in_flight, spin) ----
+
+    def _engine_of(self):
+        """The engine this request progresses (None for a request finished
+        when it was made)."""
+        return self._engine
+
+    def _observe(self) -> bool:
+        """True once the request finished, without progressing: the first
+        look at a finished slot completes it (frees the UCX request, sets
+        its result).  What an event-loop driver asks of the requests it
+        waits for."""
+        if self._state:
+            return True
+        if self._slot.status == INPROGRESS:
+            return False
+        self._complete()
+        return True
+
+    def _in_flight(self) -> bool:
+        """True while UCX still holds the operation (its slot is pending),
+        also after the request failed: one failed by its peer's death while
+        UCX held it stays in flight until UCX lets go of it."""
+        return self._slot.status == INPROGRESS
+
+    def _spin(self, spin_ns: int) -> bool:
+        """Busy-poll the completion for up to ``spin_ns`` ns
+        (:meth:`gpucx._engine.Engine.spin`); True when it completed."""
+        return self._engine.spin(self._slot, spin_ns)
+
     def __await__(self):
         # The event-loop side lives in gpucx.aio, which registers itself
         # (set_awaiter): this layer knows no event loop.
@@ -487,34 +523,14 @@ def posted(engine, slot, st: int, keep, what: str, ep, holds=None) -> Request:
 
 
 # -- what the layers above a request read of it ---------------------------------
+# Methods of Request (its own state), named here for the layers above: an
+# event-loop driver waits through these, never through a request's fields.
 
-
-def engine_of(req: Request):
-    """The engine ``req`` progresses (None for a request finished when it
-    was made)."""
-    return req._engine
-
-
-def observe(req: Request) -> bool:
-    """True once ``req`` finished, without progressing: the first look at a
-    finished slot completes it (frees the UCX request, sets its result).
-    What an event-loop driver asks of the requests it waits for."""
-    if req._state:
-        return True
-    if req._slot.status == INPROGRESS:
-        return False
-    req._complete()
-    return True
-
-
-def in_flight(req: Request) -> bool:
-    """True while UCX still holds ``req``'s operation (its slot is pending),
-    also after the request failed: one failed by its peer's death while UCX
-    held it stays in flight until UCX lets go of it."""
-    return req._slot.status == INPROGRESS
-
-
-def spin(req: Request, spin_ns: int) -> bool:
-    """Busy-poll ``req``'s completion for up to ``spin_ns`` ns
-    (:meth:`gpucx._engine.Engine.spin`); True when it completed."""
-    return req._engine.spin(req._slot, spin_ns)
+#: ``engine_of(req)``: see :meth:`Request._engine_of`.
+engine_of = Request._engine_of
+#: ``observe(req)``: see :meth:`Request._observe`.
+observe = Request._observe
+#: ``in_flight(req)``: see :meth:`Request._in_flight`.
+in_flight = Request._in_flight
+#: ``spin(req, spin_ns)``: see :meth:`Request._spin`.
+spin = Request._spin

@@ -10,6 +10,7 @@ from . import _address, _bounds
 from . import _liveness as _live
 from ._engine import Engine, new_slot
 from ._handle import CLOSE_GRACE_S, Handle, raise_closed, time_left
+from ._internal import engine, handle
 from ._lib import ffi, lib
 from .config import THREAD_MODES
 from .errors import ClosedError, check
@@ -40,7 +41,7 @@ class Worker(Handle):
     _is_worker = True
 
     def __init__(self, context, thread_mode: str = "single"):
-        h = context._h
+        h = handle(context)
         if h is None:
             raise_closed(context)
         try:
@@ -58,13 +59,14 @@ class Worker(Handle):
         self.thread_mode = thread_mode
         # Progress, waits, slots, operations in flight, liveness of local
         # peers: the engine's (gpucx._engine), which every layer above uses.
+        options = context.options
         e = self._engine = Engine(
             self,
             state,
             context,
             thread_mode == "multi",
-            context._spin_ns,
-            context._peer_interval,
+            int(options["SPIN_US"] * 1000),
+            options["PEER_CHECK_INTERVAL"],
             _siblings(context),
         )
         e.on_am = _am.dispatch
@@ -125,6 +127,11 @@ class Worker(Handle):
         if h is None:
             raise_closed(self)
         check(lib.ucp_worker_signal(h), "ucp_worker_signal")
+
+    @property
+    def context(self):
+        """The :class:`~gpucx.Context` this worker was created from."""
+        return self._context
 
     @property
     def address(self) -> bytes:
@@ -299,7 +306,7 @@ class Worker(Handle):
         from .endpoint import Endpoint
 
         for child in list(self._children):
-            if isinstance(child, Endpoint) and not child.closed and child._h == h:
+            if isinstance(child, Endpoint) and handle(child) == h:
                 ep = child
                 break
         else:
@@ -353,9 +360,23 @@ class Worker(Handle):
         flush (a sibling worker's close too) would wait out its deadline."""
         _am.give_back_unreceived(self._engine)
 
-    def _close_children(self) -> None:
+    def _let_go_of_peers(self) -> None:
+        """What a closing worker does first, while its endpoints and its
+        context's other workers live (``Context._close_children`` does it
+        for every worker before any endpoint goes): serve what peers sent,
+        and give back what nobody received."""
         self._serve()
         self._give_back_unreceived()
+
+    def _endpoints(self) -> list:
+        """This worker's endpoints (the children it adopted that are
+        endpoints; closing one already closed does nothing)."""
+        from .endpoint import Endpoint
+
+        return [c for c in self._children if isinstance(c, Endpoint)]
+
+    def _close_children(self) -> None:
+        self._let_go_of_peers()
         super()._close_children()
 
     def _release(self) -> None:
@@ -386,8 +407,8 @@ def _siblings(context) -> list:
     """The list of engines the workers of ``context`` share (see
     ``Engine.siblings``): an existing worker's, or a new one."""
     for child in list(context._children):
-        if child._is_worker and not child.closed:
-            return child._engine.siblings
+        if isinstance(child, Worker) and not child.closed:
+            return engine(child).siblings
     return []
 
 

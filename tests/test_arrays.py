@@ -361,7 +361,7 @@ def test_max_bytes_keyword_overrides_context_option():
 
 
 def test_max_bytes_default_is_4_gib_and_zero_is_unlimited(pair):
-    assert pair.ctx._max_array_bytes == 4 << 30
+    assert pair.ctx.max_array_bytes == 4 << 30
     arr = np.arange(1 << 20, dtype=np.int64)
     assert np.array_equal(transfer(pair, arr), arr)
     with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": 0}) as ctx:
@@ -401,9 +401,9 @@ def test_max_array_bytes_option_invalid(value):
 
 def test_max_array_bytes_option_accepts_whole_numbers():
     with gpucx.Context(config={"GPUCX_MAX_ARRAY_BYTES": "4096"}) as ctx:
-        assert ctx._max_array_bytes == 4096
+        assert ctx.max_array_bytes == 4096
     with gpucx.Context(config={"gpucx_max_array_bytes": 2.0}) as ctx:
-        assert ctx._max_array_bytes == 2
+        assert ctx.max_array_bytes == 2
 
 
 @pytest.mark.timeout(150)

@@ -389,3 +389,17 @@ def test_dropped_endpoint_closes_within_the_short_drop_deadline():
         limit = _handle.DROP_CLOSE_TIMEOUT_S + _handle.CLOSE_GRACE_S + 2.0
         assert took < limit, took
         assert not a._children or all(c.closed for c in a._children)
+
+
+def test_close_deferred_by_collection_runs_when_the_last_child_closes():
+    """A context garbage collection finalizes while workers are open is not
+    closed under them (``__del__`` defers): the last child's close closes it."""
+    ctx = gpucx.Context(features=["tag"])
+    w1, w2 = ctx.create_worker(), ctx.create_worker()
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        ctx.__del__()
+    assert not ctx.closed
+    w1.close()
+    assert not ctx.closed
+    w2.close()
+    assert ctx.closed

@@ -462,6 +462,19 @@ def test_switch_turns_the_path_off(drv, lib_path, monkeypatch, how):
         )
 
 
+@pytest.mark.parametrize("value", [0, 1])
+def test_context_says_whether_the_path_is_on(value):
+    # Context.cuda_ipc_rma: what gpucx.ops.ipc.route reads of the switch.
+    config = {"GPUCX_CUDA_IPC_RMA": value}
+    with gpucx.Context(features=["rma"], config=config) as ctx:
+        assert ctx.cuda_ipc_rma is bool(value)
+        assert ctx.options["CUDA_IPC_RMA"] == value
+        w = ctx.create_worker()
+        assert w.context is ctx
+        with pytest.raises(AttributeError):
+            ctx.cuda_ipc_rma = True  # type: ignore[misc]
+
+
 def test_unused_for_gpu_to_gpu_put(drv, lib_path):
     with session(lib_path) as (q, w, ep, key):
         w._context._cuda_problem = None

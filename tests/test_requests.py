@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from gpucx._internal import engine
 from gpucx.request import Request
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,6 +74,38 @@ def test_pending_request_keeps_its_slot_while_later_ones_settle(pair):
         pair.drive(pair.b.recv_nb(got, tag=4))
         assert (got == i).all()
     assert all(r.done() for r in small)
+
+
+def test_request_endpoint_names_where_the_operation_runs(pair):
+    """Request.endpoint: the endpoint of a send while it is pending, None for
+    a worker-wide receive and for a request settled at birth; what an
+    endpoint's close drains is its own requests (Engine.pending_on), not
+    another endpoint's."""
+    big = np.arange(1 << 20, dtype=np.uint8)
+    send = pair.ab.send_nb(big, tag=7)
+    assert not send.done() and send.endpoint is pair.ab
+    out = np.zeros(1 << 20, np.uint8)
+    recv = pair.b.recv_nb(out, tag=7)
+    assert recv.endpoint is None
+    pair.drive(send, recv)
+    assert np.array_equal(out, big)
+    done = pair.ab.send_nb(b"x", tag=8)
+    if type(done) is not Request:  # finished when posted: no endpoint kept
+        assert done.endpoint is None
+    pair.drive(done, pair.b.recv_nb(bytearray(1), tag=8))
+    # A pending send on another endpoint of the worker is not this one's.
+    other = pair.a.connect(pair.b.address)
+    try:
+        pending = pair.ab.send_nb(big, tag=9)
+        assert not pending.done()
+        e = engine(pair.a)
+        assert e.pending_on(pair.ab) == [pending] and e.pending_on(other) == []
+        other.close(timeout=5)
+        assert not pending.done() and pending.endpoint is pair.ab
+        pair.drive(pending, pair.b.recv_nb(out, tag=9))
+        assert e.pending_on(pair.ab) == []
+    finally:
+        other.close()
 
 
 def test_put_and_get_nb_settle_or_track(pair, tls):

@@ -9,7 +9,6 @@ peer put, get and run atomics on it.  Regions are children of their
 
 from __future__ import annotations
 
-import os
 import weakref
 from contextlib import nullcontext
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy
 
 from .._handle import Handle, raise_closed
+from .._internal import amo_exports, handle
 from .._lib import ffi, lib
 from ..errors import UnsupportedError, check
 from . import cuda as _cuda
@@ -57,17 +57,9 @@ class _HostView:
         }
 
 
-def _unmap_later(ctx, ctx_h, memh, pid) -> None:
-    """The last view of a closed region allocated by UCX is gone: unmap it,
-    and finish the context's cleanup if that waited for it.  Never in a
-    forked child (the UCX state belongs to the parent)."""
-    if os.getpid() != pid:
-        return
-    lib.gpucx_mem_unmap(ctx_h, memh)
-    ctx._deferred_maps -= 1
-    if ctx._deferred_maps == 0 and ctx._cleanup_deferred:
-        ctx._cleanup_deferred = False
-        ctx._cleanup(ctx_h)
+#: The open host regions each context allocated (``allocate``), by context:
+#: ``register`` of memory inside one shares its mapping.
+_host_allocations: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class MemoryRegion(Handle):
@@ -93,9 +85,22 @@ class MemoryRegion(Handle):
     """
 
     def __init__(
-        self, context, address, nbytes, memory_type, readonly, obj, alloc, within=None
+        self,
+        context,
+        address,
+        nbytes,
+        memory_type,
+        readonly,
+        obj,
+        alloc,
+        within=None,
+        h=None,
+        own_map=None,
     ):
         self._init_handle()
+        #: The ``ucp_mem_h`` (this region's own mapping, or the containing
+        #: region's: ``own_map``).
+        self._h = h
         # Parents close children newest first; a negative serial puts regions
         # after every worker, so operations into region memory are drained
         # (workers closed) before the memory is unmapped.
@@ -115,8 +120,8 @@ class MemoryRegion(Handle):
         #: unmaps; this one's close unmaps nothing.
         self._within = within
         #: Whether ``_h`` is this region's own mapping (False when it shares
-        #: the containing region's).
-        self._own_map = within is None
+        #: the containing region's); by default, when it is in none.
+        self._own_map = within is None if own_map is None else own_map
         (within if within is not None else context)._adopt(self)
 
     def __repr__(self) -> str:
@@ -145,9 +150,10 @@ class MemoryRegion(Handle):
             out = ffi.new("void **")
             n = ffi.new("size_t *")
             ctx = self._context
-            if ctx._h is None:
+            ctx_h = handle(ctx)
+            if ctx_h is None:
                 raise_closed(ctx)
-            check(lib.gpucx_rkey_pack(ctx._h, self._h, out, n), "ucp_rkey_pack")
+            check(lib.gpucx_rkey_pack(ctx_h, self._h, out, n), "ucp_rkey_pack")
             try:
                 packed = bytes(ffi.buffer(out[0], n[0]))
             finally:
@@ -157,7 +163,7 @@ class MemoryRegion(Handle):
                 # reach this region from now until it is closed.
                 check(
                     lib.gpucx_amo_export_add(
-                        ctx._amo_exports,
+                        amo_exports(ctx),
                         id(self),
                         self.address,
                         self.nbytes,
@@ -263,42 +269,40 @@ class MemoryRegion(Handle):
 
     def _release(self) -> None:
         ctx = self._context
-        if ctx._h is not None:
+        ctx_h = handle(ctx)
+        if ctx_h is not None:
             if self._packed is not None and not self.readonly:
                 # No emulated atomic touches the memory once this returns.
-                lib.gpucx_amo_export_remove(ctx._amo_exports, id(self))
+                lib.gpucx_amo_export_remove(amo_exports(ctx), id(self))
             memory = self._memory_ref() if self._memory_ref is not None else None
             if not self._own_map:
                 pass  # the mapping is the containing region's to unmap
             elif memory is not None and self.obj is None:
                 # Memory UCX allocated, still viewed: unmap it when the last
                 # view is gone (the context's cleanup waits for that too).
-                ctx._deferred_maps += 1
-                weakref.finalize(
-                    memory, _unmap_later, ctx, ctx._h, self._h, os.getpid()
-                )
+                ctx._unmap_when_gone(memory, self._h)
             else:
-                lib.gpucx_mem_unmap(ctx._h, self._h)
+                lib.gpucx_mem_unmap(ctx_h, self._h)
         self.obj = None
         self._within = None
 
 
 def _allocated_host_regions(ctx):
-    """The open host regions ``ctx`` allocated (a weak set kept on it)."""
-    regions = getattr(ctx, "_host_allocations", None)
+    """The open host regions ``ctx`` allocated (a weak set, made at the
+    first)."""
+    regions = _host_allocations.get(ctx)
     if regions is None:
-        regions = weakref.WeakSet()
-        ctx._host_allocations = regions
+        regions = _host_allocations[ctx] = weakref.WeakSet()
     return regions
 
 
 def _containing(ctx, ptr: int, nbytes: int):
     """The open host region ``ctx`` allocated that holds ``[ptr, ptr+nbytes)``."""
-    regions = getattr(ctx, "_host_allocations", None)
+    regions = _host_allocations.get(ctx)
     if not regions:
         return None
     for r in list(regions):
-        if r._h is not None and r.address <= ptr <= r.address + r.nbytes - nbytes:
+        if not r.closed and r.address <= ptr <= r.address + r.nbytes - nbytes:
             return r
     return None
 
@@ -320,7 +324,7 @@ def _map(ctx, ptr, nbytes: int, memory_type: int, alloc: bool, readonly=False):
     length = ffi.new("size_t *")
     mtype = ffi.new("int *")
     st = lib.gpucx_mem_map(
-        ctx._h,
+        handle(ctx),
         ptr,
         nbytes,
         memory_type,
@@ -367,7 +371,7 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
     gpucx.ClosedError
         If the context is closed.
     """
-    if ctx._h is None:
+    if ctx.closed:
         raise_closed(ctx)
     buf = as_buffer(obj, writable)
     if buf.nbytes == 0:
@@ -409,9 +413,9 @@ def register(ctx, obj, *, writable: bool = True) -> MemoryRegion:
         buf.owner,
         False,
         within=parent,
+        h=memh,
+        own_map=own,
     )
-    region._h = memh
-    region._own_map = own
     return region
 
 
@@ -458,7 +462,7 @@ def allocate(
     gpucx.ClosedError
         If the context is closed.
     """
-    if ctx._h is None:
+    if ctx.closed:
         raise_closed(ctx)
     if not isinstance(nbytes, int) or isinstance(nbytes, bool):
         raise TypeError(f"nbytes must be an int, not {type(nbytes).__name__}")
@@ -476,8 +480,7 @@ def allocate(
         got_mt = MemoryType(got)
     except ValueError:
         got_mt = mt
-    region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True)
-    region._h = memh
+    region = MemoryRegion(ctx, addr, nbytes, got_mt, False, None, True, h=memh)
     if got_mt == MemoryType.HOST:
         _allocated_host_regions(ctx).add(region)
     return region

@@ -56,7 +56,7 @@ import time
 import zlib
 
 from .._handle import Handle, raise_closed, time_left
-from .._internal import defer_to_closing, engine
+from .._internal import defer_to_closing, engine, handle
 from .._lib import ffi, lib
 from ..errors import check
 from .memtype import CUDA_TYPES, MemoryType
@@ -418,8 +418,8 @@ class RemoteKey(Handle):
         The endpoint it is bound to; RMA through any other is refused.
     """
 
-    def __init__(self, ep, remote: RemoteMemory):
-        h = ep._h
+    def __init__(self, ep, remote: RemoteMemory, device: int | None = None):
+        h = handle(ep)
         if h is None:
             raise_closed(ep)
         out = ffi.new("ucp_rkey_h *")
@@ -449,8 +449,9 @@ class RemoteKey(Handle):
         self._ipc: object = (
             "unopened" if remote.ipc is not None else "no CUDA IPC handle in the token"
         )
-        #: The device whose context opens the handle (None: the current one).
-        self._ipc_device: int | None = None
+        #: The device whose context opens the handle (None: the current one):
+        #: ``Endpoint.unpack(..., device=)``.
+        self._ipc_device = device
         ep._adopt(self)
 
     def __repr__(self) -> str:

@@ -449,7 +449,7 @@ _RECEIVABLE = _CUDA_INTS | {_HOST}
 def _limit(e, max_bytes) -> int:
     """The byte limit of one recv_array call (0: none)."""
     if max_bytes is None:
-        return e.context._max_array_bytes
+        return e.context.max_array_bytes
     if not isinstance(max_bytes, int) or isinstance(max_bytes, bool):
         raise TypeError(
             f"recv_array: max_bytes must be an int or None, not "
@@ -677,7 +677,7 @@ def _stage(e, am, raw, nbytes: int, stream):
         return None  # host memory (or DLPack, left to UCX): no staging
     pool = am.staging
     if pool is None:
-        pool = am.staging = _staging.Pool(int(e.context._options["STAGING_BYTES"]))
+        pool = am.staging = _staging.Pool(int(e.context.options["STAGING_BYTES"]))
     if not pool.cap or _cuda.driver() is None:
         return None
     ptr, n, mt, keep = acquire(raw, True, None, True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from .._engine import INPROGRESS
 from .._handle import raise_closed
+from .._internal import amo_exports
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError, error_for, status_name
 from ..mem import cuda as _cuda
@@ -89,7 +90,7 @@ def worker_init(e) -> None:
     e.amo_ok = False
     ctx = e.context
     if "am" in ctx.features:
-        st = lib.gpucx_amo_worker_init(e.state, ctx._amo_exports)
+        st = lib.gpucx_amo_worker_init(e.state, amo_exports(ctx))
         if st != lib.UCS_OK:
             raise_status(st, "ucp_worker_set_am_recv_handler(atomics)")
         e.amo_ok = True

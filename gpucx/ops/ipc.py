@@ -77,7 +77,7 @@ def route(ep, rkey, mt: int, ptr: Any, is_get: bool) -> Any:
         return None
     if mt != _HOST and (mt != _CUDA or not is_get):
         return None  # GPU to GPU puts stay with UCX (CUDA IPC at full speed)
-    if not ep._engine.context._cuda_ipc_rma:
+    if not ep.worker.context.cuda_ipc_rma:
         return None
     m = _ipc.mapping(rkey)
     if m is None:
@@ -97,7 +97,7 @@ def would_route(rkey, local_memory: str, op: str) -> bool:
     state = rkey._ipc
     if type(state) is str and state != _ipc.UNOPENED:
         return False
-    if not rkey.endpoint._engine.context._cuda_ipc_rma:
+    if not rkey.endpoint.worker.context.cuda_ipc_rma:
         return False
     return local_memory == "host" or (local_memory == "cuda" and op == "get")
 
@@ -187,7 +187,7 @@ def post(
     e = ep._engine
     if not isinstance(ptr, int):
         ptr = int(ffi.cast("uintptr_t", ptr))
-    remote = m.ptr + (raddr - rkey._base)
+    remote = m.ptr + (raddr - rkey.address)
     src, dst = (remote, ptr) if is_get else (ptr, remote)
     waits = [] if held is None else [held]
     if handle is not None and handle != held:
@@ -371,7 +371,7 @@ def poll(e) -> None:
 def in_flight(e, ep=None) -> list:
     """The copies in flight on the worker of engine ``e`` issued through
     ``ep`` (every endpoint when None): what a flush waits for first."""
-    return [r for r in e.copies if ep is None or r._ep is ep]
+    return [r for r in e.copies if ep is None or r.endpoint is ep]
 
 
 def drain(e, ep=None, timeout: float | None = None) -> None:

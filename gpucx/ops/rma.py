@@ -23,6 +23,7 @@ from __future__ import annotations
 from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
+from .._internal import engine
 from .._lib import ffi, lib
 from ..errors import UCXError, UnsupportedError
 from ..mem import cuda as _cuda
@@ -108,12 +109,12 @@ def unpack(ep, remote, *, device: int | None = None) -> RemoteKey:
     # still serve RDMA.
     if cuda_key and drv is not None:
         with _cuda.device_context(device=device):
-            key = RemoteKey(ep, rem)
+            key = RemoteKey(ep, rem, device)
     else:
-        key = RemoteKey(ep, rem)
+        key = RemoteKey(ep, rem, device)
     # gpucx's own path opens the key's CUDA IPC handle (if any) in this
-    # device's context, at the first put or get that uses it.
-    key._ipc_device = device
+    # device's context (``device``, which the key keeps), at the first put
+    # or get that uses it.
     return key
 
 
@@ -723,7 +724,7 @@ def notifications(worker, timeout: float | None = None) -> list:
     gpucx.ClosedError
         If the worker is closed.
     """
-    e = worker._engine
+    e = engine(worker)
     h = e.h
     if h is None:
         raise_closed(worker)
@@ -771,7 +772,7 @@ def set_notify_handler(worker, handler) -> None:
     gpucx.ClosedError
         If the worker is closed.
     """
-    e = worker._engine
+    e = engine(worker)
     if e.h is None:
         raise_closed(worker)
     if handler is not None and not callable(handler):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from .. import protocols as _protocols
 from .._engine import INPROGRESS, new_slot
 from .._handle import raise_closed
+from .._internal import engine
 from .._lib import ffi, lib
 from ..errors import AlreadyReceivedError
 from ..mem import cuda as _cuda
@@ -407,7 +408,7 @@ class ProbedMessage:
             If the worker is closed.
         """
         w = self._worker
-        e = w._engine
+        e = engine(w)
         if e.h is None:
             raise_closed(w)
         if self._taken:
@@ -456,7 +457,7 @@ def probe(worker, tag: int = 0, tag_mask: int = TAG_MASK_FULL, remove: bool = Fa
     gpucx.ClosedError
         If the worker is closed.
     """
-    h = worker._engine.h
+    h = engine(worker).h
     if h is None:
         raise_closed(worker)
     info = ffi.new("ucp_tag_recv_info_t *")

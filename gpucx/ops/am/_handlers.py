@@ -8,6 +8,7 @@ import sys
 import warnings
 
 from ..._handle import raise_closed
+from ..._internal import engine
 from ..._lib import ffi, lib
 from ...errors import (
     UCXError,
@@ -142,7 +143,7 @@ def set_am_handler(worker, am_id: int, handler, *, into=None) -> None:
     gpucx.ClosedError
         If the worker is closed.
     """
-    e = worker._engine
+    e = engine(worker)
     if e.h is None:
         raise_closed(worker)
     check_id(am_id)

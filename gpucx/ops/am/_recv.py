@@ -5,6 +5,7 @@ UCX callback (C), with no Python per message."""
 from __future__ import annotations
 
 from ..._handle import raise_closed
+from ..._internal import engine
 from ..._lib import ffi, lib
 from ...errors import (
     UCXError,
@@ -277,7 +278,7 @@ def am_recv_many_nb(worker, am_id: int, bufs, *, stream=None) -> Request:
         As for :func:`am_recv_nb` (naming the buffer), before anything is
         posted.
     """
-    e = worker._engine
+    e = engine(worker)
     if e.h is None:
         raise_closed(worker)
     check_id(am_id)
