@@ -898,6 +898,7 @@ class Engine:
         self.parked.append(entry)
         if why is not None:
             return why
+        ep._shut_tcp_lanes(slot)  # a TCP send in flight: its sockets first
         ep.abort("released after a deadline (on_timeout='release')")
         self.drain_slots([slot], time.monotonic() + RELEASE_DRAIN_S)
         if slot.status == INPROGRESS:
@@ -930,9 +931,10 @@ class Engine:
                 "the peer reaches this process's memory by itself: closing "
                 "the endpoint would not stop it, so it was left open"
             )
-        # A send blocked on a TCP socket: UCX 1.22 would crash after the
-        # force close (Endpoint._tcp_send_in_flight).
-        return ep._tcp_send_in_flight(slot)
+        # A send blocked on a TCP socket: released only once gpucx can shut
+        # the endpoint's sockets down first (UCX 1.22 would crash after a
+        # plain force close).
+        return ep._tcp_release_refused(slot)
 
     # -- closing ------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import struct
 import time
 
 from . import _address
@@ -489,6 +491,90 @@ class Endpoint(Handle):
                 )
         return None
 
+    def _tcp_release_refused(self, slot=None) -> str | None:
+        """Why ``on_timeout="release"`` must leave this endpoint open for
+        ``slot``'s operation, or None: a send UCX carries over a TCP lane
+        (:meth:`_tcp_send_in_flight`) whose sockets gpucx cannot find to
+        shut them down first (:meth:`_tcp_lane_sockets`,
+        :meth:`_shut_tcp_lanes`)."""
+        why = self._tcp_send_in_flight(slot)
+        if why is None or self._tcp_lane_sockets():
+            return None
+        from ._lib import UCX_VERSION
+
+        return (
+            f"{why} (gpucx shuts such an endpoint's TCP connections down "
+            "before the close, but could not find their sockets: it knows "
+            "where UCX 1.21 and 1.22 keep them; this is UCX "
+            f"{UCX_VERSION[0]}.{UCX_VERSION[1]})"
+        )
+
+    def _tcp_lane_sockets(self) -> list[int] | None:
+        """The sockets (file descriptors, UCX's own) of this endpoint's TCP
+        lanes, or None when gpucx cannot find one for each lane: a UCX other
+        than 1.21 or 1.22 (``_TCP_SHUTDOWN_UCX``), a lane UCX keeps beyond
+        the first ones, ``/proc`` not readable.
+
+        UCX has no API for them.  Its TCP transport registers each
+        connection's socket in an epoll set with the connection's UCT
+        endpoint as the event's data (``/proc/self/fdinfo``), and the
+        endpoint object holds the UCT endpoints of its first lanes, or a
+        wireup proxy holding one (a lane not yet switched to its transport):
+        a socket is this endpoint's when its event's data equals one of the
+        object's first words or one of the first words of what those point
+        to, and it is a connected TCP socket.  Memory is read through
+        ``/proc/self/mem`` (a word that is no pointer reads nothing), and
+        only epoll sets whose every event's data is a pointer are looked at
+        (not those of asyncio or ``select.epoll``, which hold file
+        numbers)."""
+        from ._lib import UCX_VERSION
+
+        h = self._h
+        if h is None or tuple(UCX_VERSION[:2]) not in _TCP_SHUTDOWN_UCX:
+            return None
+        lanes = sum(1 for tl, dev in self.transports if tl == "tcp" and dev)
+        if not lanes:
+            return None
+        try:
+            mem = os.open("/proc/self/mem", os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            words = _words(mem, int(ffi.cast("uintptr_t", h)))
+            near = set(words)
+            for w in words:
+                near.update(_words(mem, w))
+        finally:
+            os.close(mem)
+        fds = [fd for p, fd in _epoll_pointers() if p in near and _tcp_connection(fd)]
+        return fds if len(fds) == lanes else None
+
+    def _shut_tcp_lanes(self, slot=None) -> None:
+        """Before :meth:`abort` releases ``slot``'s operation: when UCX still
+        carries a send of this side over a TCP lane
+        (:meth:`_tcp_send_in_flight`), shut the lanes' sockets down
+        (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and progress (at most
+        ``TCP_SHUTDOWN_S``) until UCX fails the endpoint, as when a peer's
+        connection breaks: UCX completes the send with an error and closes
+        the socket itself, and the force close that follows meets a failed
+        connection, not the one UCX 1.22 keeps for receiving and later
+        crashes on (docs/reliability.md, "Known UCX limitation")."""
+        if self._tcp_send_in_flight(slot) is None:
+            return
+        fds = self._tcp_lane_sockets()
+        if not fds:
+            return
+        self._error_reason = self._closed_reason = (
+            "released after a deadline (on_timeout='release'): gpucx shut "
+            "the endpoint's TCP connection down"
+        )
+        for fd in fds:
+            _shutdown(fd)
+        e = self._engine
+        end = time.monotonic() + TCP_SHUTDOWN_S
+        while self._state.error == lib.UCS_OK and time.monotonic() < end:
+            lib.ucp_worker_progress(e.h)
+
     def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
         """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
         UCX lets go of everything it holds on it; ``reason`` says why.
@@ -859,6 +945,103 @@ def _on_abort(msg) -> None:
 #: to the peer: what a force close must not cut over TCP
 #: (Endpoint._tcp_send_in_flight).
 _SENDS = frozenset({"tag", "tag_sync", "am", "am_reply", "stream", "put", "rndv_send"})
+#: UCX versions (major, minor) whose TCP transport Endpoint._shut_tcp_lanes
+#: knows: where it finds an endpoint's sockets (Endpoint._tcp_lane_sockets)
+#: and that a socket shut down takes UCX's error path, read in the source of
+#: v1.21.0 and v1.22.0 (their src/uct/tcp/ differs only in keepalive) and
+#: measured with 1.22.  Elsewhere a TCP send in flight stays refused.
+_TCP_SHUTDOWN_UCX = frozenset({(1, 21), (1, 22)})
+#: How long Endpoint._shut_tcp_lanes waits for UCX to fail the endpoint
+#: once its sockets are shut down (in practice one progress call).
+TCP_SHUTDOWN_S = 0.5
+
+
+def _words(mem: int, addr: int, n: int = 8) -> list[int]:
+    """The ``n`` pointer-size words at ``addr`` of this process, read through
+    ``mem`` (``/proc/self/mem``: an address not mapped reads nothing, where
+    a load would crash); only those that could be pointers (past the
+    first pages, aligned).  Endpoint._tcp_lane_sockets."""
+    if addr < 1 << 16 or addr % 8:
+        return []
+    try:
+        raw = os.pread(mem, 8 * n, addr)
+    except (OSError, OverflowError):
+        return []
+    got = struct.unpack(f"{len(raw) // 8}Q", raw[: len(raw) // 8 * 8])
+    return [w for w in got if w >= 1 << 16 and w % 8 == 0]
+
+
+def _epoll_pointers() -> list[tuple[int, int]]:
+    """``(data, fd)`` of every file watched by an epoll set of this process
+    whose every watch carries a pointer as its data (``/proc/self/fdinfo``):
+    UCX's event sets, not those that hold file numbers (asyncio,
+    ``select.epoll``).  Endpoint._tcp_lane_sockets."""
+    found: list[tuple[int, int]] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue  # closed meanwhile
+        watches = []
+        for line in lines:
+            if line.startswith("tfd:"):
+                fields = line.split()
+                fd, data = int(fields[1]), int(fields[fields.index("data:") + 1], 16)
+                watches.append((data, fd))
+        # A pointer is past the first pages and aligned; a file number is not.
+        if watches and all(d >= 1 << 16 and d % 8 == 0 for d, _ in watches):
+            found += watches
+    return found
+
+
+def _socket_of(fd: int) -> socket.socket | None:
+    """A socket object over a duplicate of ``fd`` (closing it leaves ``fd``,
+    UCX's, open), or None when ``fd`` is no socket (or closed meanwhile)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def _tcp_connection(fd: int) -> bool:
+    """Whether ``fd`` is a connected TCP socket (IPv4 or IPv6)."""
+    sock = _socket_of(fd)
+    if sock is None:
+        return False
+    with sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        if sock.type != socket.SOCK_STREAM:
+            return False
+        try:
+            sock.getpeername()
+        except OSError:
+            return False
+        return True
+
+
+def _shutdown(fd: int) -> None:
+    """``shutdown(fd, SHUT_RDWR)`` without closing ``fd`` (UCX's)."""
+    sock = _socket_of(fd)
+    if sock is None:
+        return
+    with sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # reset meanwhile: UCX sees that too
 
 
 def _send_ping(ep, token: bytes):

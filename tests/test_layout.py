@@ -388,7 +388,7 @@ _REACH_PACKAGES = tuple(
 )
 _REACH_CEILING = {
     "_bounds.py": 2,
-    "_engine.py": 15,  # issue 35: ep._tcp_send_in_flight (release refusal)
+    "_engine.py": 16,  # issue 35: ep._tcp_release_refused, ep._shut_tcp_lanes
     "_handle.py": 13,
     "_heartbeat.py": 5,
     "_internal.py": 8,
