@@ -519,10 +519,12 @@ class Endpoint(Handle):
         connection's socket in an epoll set with the connection's UCT
         endpoint as the event's data (``/proc/self/fdinfo``), and the
         endpoint object holds the UCT endpoints of its first lanes, or a
-        wireup proxy holding one (a lane not yet switched to its transport):
-        a socket is this endpoint's when its event's data equals one of the
-        object's first words or one of the first words of what those point
-        to, and it is a connected TCP socket.  Memory is read through
+        wireup proxy for one (a lane not yet switched to its transport),
+        which holds this endpoint's address and, in the next word, the UCT
+        endpoint.  A socket is this endpoint's when its event's data is one
+        of the object's first ``_EP_WORDS`` words, or the word after this
+        endpoint's address among the first ``_PROXY_WORDS`` of what those
+        point to, and it is a connected TCP socket.  Memory is read through
         ``/proc/self/mem`` (a word that is no pointer reads nothing), and
         only epoll sets whose every event's data is a pointer are looked at
         (not those of asyncio or ``select.epoll``, which hold file
@@ -539,11 +541,14 @@ class Endpoint(Handle):
             mem = os.open("/proc/self/mem", os.O_RDONLY)
         except OSError:
             return None
+        me = int(ffi.cast("uintptr_t", h))
         try:
-            words = _words(mem, int(ffi.cast("uintptr_t", h)))
-            near = set(words)
-            for w in words:
-                near.update(_words(mem, w))
+            # The lanes' UCT endpoints, or proxies (each names this endpoint
+            # and, in the next word, the UCT endpoint it wraps).
+            near = set(_words(mem, me, _EP_WORDS))
+            for w in list(near):
+                got = _words(mem, w, _PROXY_WORDS)
+                near.update(got[i + 1] for i in range(len(got) - 1) if got[i] == me)
         finally:
             os.close(mem)
         fds = [fd for p, fd in _epoll_pointers() if p in near and _tcp_connection(fd)]
@@ -951,24 +956,36 @@ _SENDS = frozenset({"tag", "tag_sync", "am", "am_reply", "stream", "put", "rndv_
 #: v1.21.0 and v1.22.0 (their src/uct/tcp/ differs only in keepalive) and
 #: measured with 1.22.  Elsewhere a TCP send in flight stays refused.
 _TCP_SHUTDOWN_UCX = frozenset({(1, 21), (1, 22)})
+#: Words of UCX's endpoint object that Endpoint._tcp_lane_sockets reads:
+#: its first lanes are within (UCX 1.21, 1.22: from the third word).
+_EP_WORDS = 8
+#: Words of what those point to that it reads for a wireup proxy's UCT
+#: endpoint (the 4th word in UCX 1.22; the 53rd in 1.21, where the proxy
+#: embeds a whole interface operations table).
+_PROXY_WORDS = 128
 #: How long Endpoint._shut_tcp_lanes waits for UCX to fail the endpoint
 #: once its sockets are shut down (in practice one progress call).
 TCP_SHUTDOWN_S = 0.5
 
 
-def _words(mem: int, addr: int, n: int = 8) -> list[int]:
+def _words(mem: int, addr: int, n: int) -> tuple[int, ...]:
     """The ``n`` pointer-size words at ``addr`` of this process, read through
-    ``mem`` (``/proc/self/mem``: an address not mapped reads nothing, where
-    a load would crash); only those that could be pointers (past the
-    first pages, aligned).  Endpoint._tcp_lane_sockets."""
-    if addr < 1 << 16 or addr % 8:
-        return []
+    ``mem`` (``/proc/self/mem``: an address not mapped reads nothing where a
+    load would crash; fewer words where the mapping ends).
+    Endpoint._tcp_lane_sockets."""
+    if not _pointer(addr):
+        return ()
     try:
         raw = os.pread(mem, 8 * n, addr)
     except (OSError, OverflowError):
-        return []
-    got = struct.unpack(f"{len(raw) // 8}Q", raw[: len(raw) // 8 * 8])
-    return [w for w in got if w >= 1 << 16 and w % 8 == 0]
+        return ()
+    return struct.unpack(f"{len(raw) // 8}Q", raw[: len(raw) // 8 * 8])
+
+
+def _pointer(word: int) -> bool:
+    """Whether ``word`` could be a pointer: past the first pages, aligned (a
+    file number, a flag word or a count is not)."""
+    return word >= 1 << 16 and word % 8 == 0
 
 
 def _epoll_pointers() -> list[tuple[int, int]]:
@@ -996,7 +1013,7 @@ def _epoll_pointers() -> list[tuple[int, int]]:
                 fd, data = int(fields[1]), int(fields[fields.index("data:") + 1], 16)
                 watches.append((data, fd))
         # A pointer is past the first pages and aligned; a file number is not.
-        if watches and all(d >= 1 << 16 and d % 8 == 0 for d, _ in watches):
+        if watches and all(_pointer(d) for d, _ in watches):
             found += watches
     return found
 
