@@ -851,12 +851,14 @@ class Engine:
           freed while UCX may still use them, freed once UCX lets go;
         * ``"release"``: ``ep`` is force-closed (``Endpoint.abort``), which
           makes UCX complete everything it holds on it, and the operation
-          is drained (at most ``RELEASE_DRAIN_S``).  Without an endpoint
-          (a worker-wide receive), on a closed one, on one whose peer
-          reaches this process's memory by itself
-          (``Endpoint.direct_access``), or on one still carrying a send
-          over TCP (``Endpoint._tcp_send_in_flight``: UCX 1.22 would crash
-          later), it is parked instead.
+          is drained (at most ``RELEASE_DRAIN_S``); an endpoint still
+          carrying a send over TCP has its TCP sockets shut down first
+          (``Endpoint._shut_tcp_lanes``: after a plain force close UCX 1.22
+          would crash later).  Without an endpoint (a worker-wide receive),
+          on a closed one, on one whose peer reaches this process's memory
+          by itself (``Endpoint.direct_access``), or on one carrying a send
+          over TCP whose sockets gpucx cannot find
+          (``Endpoint._tcp_release_refused``), it is parked instead.
 
         Returns ``(released, detail)``: whether UCX let go of the
         operation's buffers, and what happened, in words (for the error

@@ -474,7 +474,8 @@ class Endpoint(Handle):
         ``uct_tcp_iface_handle_events``) when an endpoint made from a worker
         address is force-closed with such a send blocked on its socket and
         the peer closes its side later: docs/reliability.md, "Known UCX
-        limitation".
+        limitation".  A release shuts such an endpoint's TCP sockets down
+        first (:meth:`_shut_tcp_lanes`).
         """
         rows = [] if slot is None else [_protocols.request_protocol(slot)]
         rows += [r.protocol for r in self._engine.pending if r._ep is self]

@@ -186,11 +186,13 @@ def test_park_leaves_the_buffer_in_use(op, tls):
     assert seen["canaries"] > 0 or not intact["intact"], (seen, intact)
 
 
-def test_aio_cancel_releases():
+@pytest.mark.parametrize("tls", sorted(TLS))
+def test_aio_cancel_releases(tls):
     """An awaited send canceled by asyncio.wait_for on an endpoint in
-    "release" mode: the endpoint is force-closed before the cancellation
-    propagates, and the canary survives."""
-    start = lambda args: _local(args, TLS["shm"])  # noqa: E731
+    "release" mode: the endpoint is force-closed (over TCP, its sockets shut
+    down first) before the cancellation propagates, and the canary
+    survives."""
+    start = lambda args: _local(args, TLS[tls])  # noqa: E731
     error, seen, intact = _run("aio", "release", start, start)
     assert error["error"] == "TimeoutError" and error["closed"], error
     assert seen["canaries"] == 0 and intact["intact"], (seen, intact)
