@@ -205,7 +205,7 @@ def test_aio_cancel_parks_by_default():
     assert seen["canaries"] > 0, seen
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_release_across_hosts(hosts):
     """The releaser and the stopped peer on two emulated hosts (TCP over a
     veth link, zero-copy protocols): a get, a send (8 MiB, multi-fragment
