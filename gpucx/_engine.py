@@ -857,12 +857,14 @@ class Engine:
           freed while UCX may still use them, freed once UCX lets go;
         * ``"release"``: ``ep`` is force-closed (``Endpoint.abort``), which
           makes UCX complete everything it holds on it, and the operation
-          is drained (at most ``RELEASE_DRAIN_S``).  Without an endpoint
-          (a worker-wide receive), on a closed one, on one whose peer
-          reaches this process's memory by itself
-          (``Endpoint.direct_access``), or on one still carrying a send
-          over TCP (``Endpoint._tcp_send_in_flight``: UCX 1.22 would crash
-          later), it is parked instead.
+          is drained (at most ``RELEASE_DRAIN_S``); an endpoint still
+          carrying a send over TCP has its TCP sockets shut down first
+          (``Endpoint._shut_tcp_lanes``: after a plain force close UCX 1.22
+          would crash later).  Without an endpoint (a worker-wide receive),
+          on a closed one, on one whose peer reaches this process's memory
+          by itself (``Endpoint.direct_access``), or on one carrying a send
+          over TCP whose sockets gpucx cannot find
+          (``Endpoint._tcp_release_refused``), it is parked instead.
 
         Returns ``(released, detail)``: whether UCX let go of the
         operation's buffers, and what happened, in words (for the error
@@ -904,6 +906,7 @@ class Engine:
         self.parked.append(entry)
         if why is not None:
             return why
+        ep._shut_tcp_lanes(slot)  # a TCP send in flight: its sockets first
         ep.abort("released after a deadline (on_timeout='release')")
         self.drain_slots([slot], time.monotonic() + RELEASE_DRAIN_S)
         if slot.status == INPROGRESS:
@@ -936,9 +939,10 @@ class Engine:
                 "the peer reaches this process's memory by itself: closing "
                 "the endpoint would not stop it, so it was left open"
             )
-        # A send blocked on a TCP socket: UCX 1.22 would crash after the
-        # force close (Endpoint._tcp_send_in_flight).
-        return ep._tcp_send_in_flight(slot)
+        # A send blocked on a TCP socket: released only once gpucx can shut
+        # the endpoint's sockets down first (UCX 1.22 would crash after a
+        # plain force close).
+        return ep._tcp_release_refused(slot)
 
     # -- closing ------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import socket
+import struct
 import time
 import weakref
 
@@ -73,6 +75,9 @@ class Endpoint(Handle):
     #: gpucx worker address (the peer runs gpucx): where :meth:`abort`
     #: sends its notice out of band when the in-band one cannot leave.
     _peer_ucx: bytes | None = None
+    #: gpucx shut this endpoint's TCP lanes down to release a send
+    #: (:meth:`_shut_tcp_lanes`): :meth:`abort`'s notice goes out of band.
+    _lanes_shut: bool = False
 
     def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
@@ -495,7 +500,8 @@ class Endpoint(Handle):
         ``uct_tcp_iface_handle_events``) when an endpoint made from a worker
         address is force-closed with such a send blocked on its socket and
         the peer closes its side later: docs/reliability.md, "Known UCX
-        limitation".
+        limitation".  A release shuts such an endpoint's TCP sockets down
+        first (:meth:`_shut_tcp_lanes`).
         """
         rows = [] if slot is None else [_protocols.request_protocol(slot)]
         rows += [r.protocol for r in self._engine.pending if r._ep is self]
@@ -511,6 +517,96 @@ class Endpoint(Handle):
                     "left open"
                 )
         return None
+
+    def _tcp_release_refused(self, slot=None) -> str | None:
+        """Why ``on_timeout="release"`` must leave this endpoint open for
+        ``slot``'s operation, or None: a send UCX carries over a TCP lane
+        (:meth:`_tcp_send_in_flight`) whose sockets gpucx cannot find to
+        shut them down first (:meth:`_tcp_lane_sockets`,
+        :meth:`_shut_tcp_lanes`)."""
+        why = self._tcp_send_in_flight(slot)
+        if why is None or self._tcp_lane_sockets():
+            return None
+        from ._lib import UCX_VERSION
+
+        return (
+            f"{why} (gpucx shuts such an endpoint's TCP connections down "
+            "before the close, but could not find their sockets: it knows "
+            "where UCX 1.21 and 1.22 keep them; this is UCX "
+            f"{UCX_VERSION[0]}.{UCX_VERSION[1]})"
+        )
+
+    def _tcp_lane_sockets(self) -> list[int] | None:
+        """The sockets (file descriptors, UCX's own) of this endpoint's TCP
+        lanes, or None when gpucx cannot find one for each lane: a UCX other
+        than 1.21 or 1.22 (``_TCP_SHUTDOWN_UCX``), a lane UCX keeps beyond
+        the first ones, ``/proc`` not readable.
+
+        UCX has no API for them.  Its TCP transport registers each
+        connection's socket in an epoll set with the connection's UCT
+        endpoint as the event's data (``/proc/self/fdinfo``), and the
+        endpoint object holds the UCT endpoints of its first lanes, or a
+        wireup proxy for one (a lane not yet switched to its transport),
+        which holds this endpoint's address and, in the next word, the UCT
+        endpoint.  A socket is this endpoint's when its event's data is one
+        of the object's first ``_EP_WORDS`` words, or the word after this
+        endpoint's address among the first ``_PROXY_WORDS`` of what those
+        point to, and it is a connected TCP socket.  Memory is read through
+        ``/proc/self/mem`` (a word that is no pointer reads nothing), and
+        only epoll sets whose every event's data is a pointer are looked at
+        (not those of asyncio or ``select.epoll``, which hold file
+        numbers)."""
+        from ._lib import UCX_VERSION
+
+        h = self._h
+        if h is None or tuple(UCX_VERSION[:2]) not in _TCP_SHUTDOWN_UCX:
+            return None
+        lanes = sum(1 for tl, dev in self.transports if tl == "tcp" and dev)
+        if not lanes:
+            return None
+        try:
+            mem = os.open("/proc/self/mem", os.O_RDONLY)
+        except OSError:
+            return None
+        me = int(ffi.cast("uintptr_t", h))
+        try:
+            # The lanes' UCT endpoints, or proxies (each names this endpoint
+            # and, in the next word, the UCT endpoint it wraps).
+            near = set(_words(mem, me, _EP_WORDS))
+            for w in list(near):
+                got = _words(mem, w, _PROXY_WORDS)
+                near.update(got[i + 1] for i in range(len(got) - 1) if got[i] == me)
+        finally:
+            os.close(mem)
+        fds = [fd for p, fd in _epoll_pointers() if p in near and _tcp_connection(fd)]
+        return fds if len(fds) == lanes else None
+
+    def _shut_tcp_lanes(self, slot=None) -> None:
+        """Before :meth:`abort` releases ``slot``'s operation: when UCX still
+        carries a send of this side over a TCP lane
+        (:meth:`_tcp_send_in_flight`), shut the lanes' sockets down
+        (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and progress (at most
+        ``TCP_SHUTDOWN_S``) until UCX fails the endpoint, as when a peer's
+        connection breaks: UCX completes the send with an error and closes
+        the socket itself, and the force close that follows meets a failed
+        connection, not the one UCX 1.22 keeps for receiving and later
+        crashes on (docs/reliability.md, "Known UCX limitation")."""
+        if self._tcp_send_in_flight(slot) is None:
+            return
+        fds = self._tcp_lane_sockets()
+        if not fds:
+            return
+        self._error_reason = self._closed_reason = (
+            "released after a deadline (on_timeout='release'): gpucx shut "
+            "the endpoint's TCP connection down"
+        )
+        self._lanes_shut = True  # abort's notice then goes out of band only
+        for fd in fds:
+            _shutdown(fd)
+        e = self._engine
+        end = time.monotonic() + TCP_SHUTDOWN_S
+        while self._state.error == lib.UCS_OK and time.monotonic() < end:
+            lib.ucp_worker_progress(e.h)
 
     def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
         """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
@@ -554,7 +650,15 @@ class Endpoint(Handle):
         if it could not, so it then goes out of band as well
         (:meth:`_notify_out_of_band`)."""
         e = self._engine
-        if e.am is None or not e.am.enabled or self._state.error != lib.UCS_OK:
+        if e.am is None or not e.am.enabled:
+            return
+        if self._state.error != lib.UCS_OK:
+            if self._lanes_shut:
+                # gpucx shut the TCP lanes down (_shut_tcp_lanes): the peer
+                # sees the connection end, but a receive it matched to the
+                # released send is not failed by that; the notice can go
+                # out of band only.
+                self._notify_out_of_band()
             return
         try:
             req = _am.send_internal_nb(self, ABORT_AM_ID, b"", reply=True)
@@ -1016,6 +1120,115 @@ def _notice_handler(e):
 #: to the peer: what a force close must not cut over TCP
 #: (Endpoint._tcp_send_in_flight).
 _SENDS = frozenset({"tag", "tag_sync", "am", "am_reply", "stream", "put", "rndv_send"})
+#: UCX versions (major, minor) whose TCP transport Endpoint._shut_tcp_lanes
+#: knows: where it finds an endpoint's sockets (Endpoint._tcp_lane_sockets)
+#: and that a socket shut down takes UCX's error path, read in the source of
+#: v1.21.0 and v1.22.0 (their src/uct/tcp/ differs only in keepalive) and
+#: measured with 1.22.  Elsewhere a TCP send in flight stays refused.
+_TCP_SHUTDOWN_UCX = frozenset({(1, 21), (1, 22)})
+#: Words of UCX's endpoint object that Endpoint._tcp_lane_sockets reads:
+#: its first lanes are within (UCX 1.21, 1.22: from the third word).
+_EP_WORDS = 8
+#: Words of what those point to that it reads for a wireup proxy's UCT
+#: endpoint (the 4th word in UCX 1.22; the 53rd in 1.21, where the proxy
+#: embeds a whole interface operations table).
+_PROXY_WORDS = 128
+#: How long Endpoint._shut_tcp_lanes waits for UCX to fail the endpoint
+#: once its sockets are shut down (in practice one progress call).
+TCP_SHUTDOWN_S = 0.5
+
+
+def _words(mem: int, addr: int, n: int) -> tuple[int, ...]:
+    """The ``n`` pointer-size words at ``addr`` of this process, read through
+    ``mem`` (``/proc/self/mem``: an address not mapped reads nothing where a
+    load would crash; fewer words where the mapping ends).
+    Endpoint._tcp_lane_sockets."""
+    if not _pointer(addr):
+        return ()
+    try:
+        raw = os.pread(mem, 8 * n, addr)
+    except (OSError, OverflowError):
+        return ()
+    return struct.unpack(f"{len(raw) // 8}Q", raw[: len(raw) // 8 * 8])
+
+
+def _pointer(word: int) -> bool:
+    """Whether ``word`` could be a pointer: past the first pages, aligned (a
+    file number, a flag word or a count is not)."""
+    return word >= 1 << 16 and word % 8 == 0
+
+
+def _epoll_pointers() -> list[tuple[int, int]]:
+    """``(data, fd)`` of every file watched by an epoll set of this process
+    whose every watch carries a pointer as its data (``/proc/self/fdinfo``):
+    UCX's event sets, not those that hold file numbers (asyncio,
+    ``select.epoll``).  Endpoint._tcp_lane_sockets."""
+    found: list[tuple[int, int]] = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") != "anon_inode:[eventpoll]":
+                continue
+            with open(f"/proc/self/fdinfo/{name}") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue  # closed meanwhile
+        watches = []
+        for line in lines:
+            if line.startswith("tfd:"):
+                fields = line.split()
+                fd, data = int(fields[1]), int(fields[fields.index("data:") + 1], 16)
+                watches.append((data, fd))
+        # A pointer is past the first pages and aligned; a file number is not.
+        if watches and all(_pointer(d) for d, _ in watches):
+            found += watches
+    return found
+
+
+def _socket_of(fd: int) -> socket.socket | None:
+    """A socket object over a duplicate of ``fd`` (closing it leaves ``fd``,
+    UCX's, open), or None when ``fd`` is no socket (or closed meanwhile)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+
+
+def _tcp_connection(fd: int) -> bool:
+    """Whether ``fd`` is a connected TCP socket (IPv4 or IPv6)."""
+    sock = _socket_of(fd)
+    if sock is None:
+        return False
+    with sock:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        if sock.type != socket.SOCK_STREAM:
+            return False
+        try:
+            sock.getpeername()
+        except OSError:
+            return False
+        return True
+
+
+def _shutdown(fd: int) -> None:
+    """``shutdown(fd, SHUT_RDWR)`` without closing ``fd`` (UCX's)."""
+    sock = _socket_of(fd)
+    if sock is None:
+        return
+    with sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # reset meanwhile: UCX sees that too
 
 
 def _send_ping(ep, token: bytes):

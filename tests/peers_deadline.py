@@ -21,7 +21,9 @@ Two roles meet over gpucx, the test passing their addresses:
 OP is one of "send" (a rendezvous tag send from the releaser to a posted
 receive), "recv" (a receive the releaser posts, matched to the victim's
 send), "put", "get" (RMA on the victim's region), "am" (``receive_into`` of
-a rendezvous active message the victim sent).
+a rendezvous active message the victim sent).  "OP!" runs OP as if UCX
+were a version whose TCP sockets gpucx cannot find (a release of a TCP send
+is refused then).
 """
 
 from __future__ import annotations
@@ -244,8 +246,16 @@ def releaser(op: str, on_timeout: str, timeout: float) -> None:
 
 
 if __name__ == "__main__":
-    role = sys.argv[1]
+    role, op = sys.argv[1], sys.argv[2]
+    if op.endswith("!"):
+        # As if this UCX were not one whose TCP transport gpucx knows: it
+        # cannot find an endpoint's sockets to shut them down, and refuses
+        # to release a TCP send (test_release_refused_for_tcp_sends).
+        import gpucx.endpoint
+
+        gpucx.endpoint._TCP_SHUTDOWN_UCX = frozenset()
+        op = op[:-1]
     if role == "victim":
-        victim(sys.argv[2])
+        victim(op)
     else:
-        releaser(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        releaser(op, sys.argv[3], float(sys.argv[4]))

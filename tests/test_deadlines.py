@@ -77,7 +77,7 @@ def _run(op: str, mode: str, start_victim, start_releaser) -> tuple:
         va, ra = victim.get(), releaser.get()
         victim.put(ra)
         releaser.put(va)
-        if op in ("put", "get"):
+        if op.rstrip("!") in ("put", "get"):
             releaser.put(victim.get())  # the victim's region
         assert victim.get() == "ready"
         end = time.monotonic() + 10
@@ -107,12 +107,18 @@ def _run(op: str, mode: str, start_victim, start_releaser) -> tuple:
                 p.proc.wait(5)
 
 
-def _check_peer_told(seen) -> None:
+def _check_peer_told(seen, reset_ok: bool = False) -> None:
     """The thawed victim learned of the release from the notice: its own
     pending operation with the releaser failed with PeerError naming the
-    cause, soon after it resumed, and its endpoint back raises it."""
+    cause, soon after it resumed, and its endpoint back raises it.  With
+    ``reset_ok`` (a TCP send or put, released after gpucx shut the
+    connection down) the connection's end may reach it before the notice:
+    the same PeerError, named by UCX."""
     assert seen["outcome"] == "PeerError", seen
-    assert "after giving up an operation" in seen["why"], seen
+    causes = ("after giving up an operation",)
+    if reset_ok:
+        causes += ("Connection reset by remote peer",)
+    assert any(c in seen["why"] for c in causes), seen
     assert seen["s"] < TOLD_S, seen
     assert seen["after"] == "PeerError", seen
 
@@ -128,25 +134,21 @@ def _check_released(op: str, error, seen, intact) -> None:
     assert intact["intact"], (op, intact)
 
 
-#: What release refuses over TCP: operations that carry this side's data
-#: (test_release_refused_for_tcp_sends).
+#: Operations that carry this side's data: over TCP, released only after
+#: their endpoint's sockets are shut down (test_release_refused_for_tcp_sends).
 TCP_SENDS = ("send", "put")
 
 
 @pytest.mark.parametrize(
     "op,tls",
-    [
-        (op, tls)
-        for tls in sorted(TLS)
-        for op in ("send", "recv", "put", "get", "am")
-        if not (tls == "tcp" and op in TCP_SENDS)
-    ],
+    [(op, tls) for tls in sorted(TLS) for op in ("send", "recv", "put", "get", "am")],
 )
 def test_release_keeps_the_canary(op, tls):
     """A rendezvous send, a matched receive, a put, a get and an AM
     receive_into whose peer stopped: released at the deadline, the canary
     written afterwards survives the peer's resumption.  (Over TCP, a send
-    and a put are refused: test_release_refused_for_tcp_sends.)"""
+    and a put are released by shutting the endpoint's sockets down first:
+    test_release_across_hosts.)"""
     start = lambda args: _local(args, TLS[tls])  # noqa: E731
     error, seen, intact = _run(op, "release", start, start)
     _check_released(op, error, seen, intact)
@@ -168,7 +170,9 @@ def test_release_keeps_the_canary(op, tls):
         # that went out of band (its own endpoint to the peer's worker)
         # fails the peer's receive matched to the send (waited on with
         # ep=), its stream receive pending on the endpoint (put, get).
-        _check_peer_told(seen)
+        # Over TCP a send's or put's connection is shut down first, whose
+        # end the peer may see before the notice.
+        _check_peer_told(seen, reset_ok=op != "get" and tls == "tcp")
 
 
 def _check_refused_over_tcp(error) -> None:
@@ -182,15 +186,18 @@ def _check_refused_over_tcp(error) -> None:
 
 @pytest.mark.parametrize("op", TCP_SENDS)
 def test_release_refused_for_tcp_sends(op):
-    """A send or a put still carried over TCP is not released: force-closing
-    its endpoint makes UCX 1.22 crash this process once the peer closes its
-    side (use after free in uct_tcp_iface_handle_events; every run across
-    two hosts, docs/reliability.md "Known UCX limitation").  The operation
-    is parked, the error says why, the endpoint stays open, and the process
-    outlives the peer's close (_run's join checks the exit status)."""
+    """A send or a put still carried over TCP, where gpucx cannot find the
+    endpoint's sockets to shut them down first (here: the releaser runs as
+    if its UCX were not one whose TCP transport gpucx knows, "OP!"), is not
+    released: a plain force close makes UCX 1.22 crash this process once
+    the peer closes its side (use after free in uct_tcp_iface_handle_events,
+    docs/reliability.md "Known UCX limitation").  The operation is parked,
+    the error says why, the endpoint stays open, and the process outlives
+    the peer's close (_run's join checks the exit status)."""
     start = lambda args: _local(args, TLS["tcp"])  # noqa: E731
-    error, _seen, _intact = _run(op, "release", start, start)
+    error, _seen, _intact = _run(op + "!", "release", start, start)
     _check_refused_over_tcp(error)
+    assert "could not find their sockets" in error["message"], error
 
 
 @pytest.mark.parametrize(
@@ -209,11 +216,13 @@ def test_park_leaves_the_buffer_in_use(op, tls):
     assert seen["canaries"] > 0 or not intact["intact"], (seen, intact)
 
 
-def test_aio_cancel_releases():
+@pytest.mark.parametrize("tls", sorted(TLS))
+def test_aio_cancel_releases(tls):
     """An awaited send canceled by asyncio.wait_for on an endpoint in
-    "release" mode: the endpoint is force-closed before the cancellation
-    propagates, and the canary survives."""
-    start = lambda args: _local(args, TLS["shm"])  # noqa: E731
+    "release" mode: the endpoint is force-closed (over TCP, its sockets shut
+    down first) before the cancellation propagates, and the canary
+    survives."""
+    start = lambda args: _local(args, TLS[tls])  # noqa: E731
     error, seen, intact = _run("aio", "release", start, start)
     assert error["error"] == "TimeoutError" and error["closed"], error
     assert seen["canaries"] == 0 and intact["intact"], (seen, intact)
@@ -227,29 +236,32 @@ def test_aio_cancel_parks_by_default():
     assert seen["canaries"] > 0, seen
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_release_across_hosts(hosts):
     """The releaser and the stopped peer on two emulated hosts (TCP over a
-    veth link, zero-copy protocols): a get is released, canary intact, and
-    the thawed peer learns of it from the notice out of band; a send (8
-    MiB, multi-fragment eager zero-copy) is refused and parked, and
-    the releaser survives the peer closing its endpoint afterwards, which
-    crashed it every time when the send was released
-    (docs/reliability.md, "Known UCX limitation")."""
+    veth link, zero-copy protocols): a get, a send (8 MiB, multi-fragment
+    eager zero-copy, a fragment left half-written on the socket) and a put
+    are released, canary intact (the thawed peer learns of the get from the
+    notice out of band), and the releaser outlives the peer closing
+    its endpoint afterwards (_run's join checks the exit status): a plain
+    force close with the send in flight crashed it there (docs/reliability.md,
+    "Known UCX limitation"); gpucx shuts the endpoint's TCP sockets down
+    first.  "send!" is the same send where gpucx could not find the sockets:
+    refused, and parked over multi-fragment eager zero-copy."""
     a, b = hosts
-    for op in ("get", "send"):
+    for op in ("get", "send", "put", "send!"):
         error, seen, intact = _run(
             op,
             "release",
             lambda args: b.python(PEERS, *args, label=" ".join(args)),
             lambda args: a.python(PEERS, *args, label=" ".join(args)),
         )
-        if op == "send":
+        if op == "send!":
             _check_refused_over_tcp(error)
             assert "zero-copy" in error["message"], error
         else:
             _check_released(op, error, seen, intact)
-            _check_peer_told(seen)
+            _check_peer_told(seen, reset_ok=op != "get")
 
 
 # -- in one process: the choice, its errors and its bookkeeping ---------------
@@ -586,3 +598,98 @@ def test_a_closing_worker_gives_its_notice_endpoints_little_time():
         assert nep.closed
         assert took < gendpoint.NOTICE_CLOSE_S + 1.0, took
         ba.close(force=True)
+
+
+def _wired_by_port(tls: str = "tcp"):
+    """:func:`_wired` with a's endpoint made by ``(host, port)`` to b's
+    listener (client/server wireup) and b's accepted from it."""
+    ctx = gpucx.Context(config={"TLS": tls})
+    a, b = ctx.create_worker(), ctx.create_worker()
+    listener = b.listen(0, host="127.0.0.1")
+    ab = a.connect(("127.0.0.1", listener.port))
+    end = time.monotonic() + 10
+    ba = None
+    while ba is None:
+        assert time.monotonic() < end, "no connection"
+        a.progress()
+        try:
+            ba = listener.accept(timeout=0.001)
+        except gpucx.TimeoutError:
+            pass
+    reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
+    reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
+    while not all(r.done() for r in reqs):
+        assert time.monotonic() < end, "no wireup"
+        a.progress()
+        b.progress()
+    return ctx, a, b, ab, ba
+
+
+def _ends(fds: list[int]) -> set:
+    """(local, peer) address of each socket."""
+    import socket
+
+    ends = set()
+    for fd in fds:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            ends.add((s.getsockname(), s.getpeername()))
+    return ends
+
+
+def test_tcp_lane_sockets_are_the_endpoints_own():
+    """Endpoint._tcp_lane_sockets finds each endpoint's own socket, in one
+    process where every socket of the test is: a's endpoint to b and b's to
+    a hold the two ends of one TCP connection, a's endpoint to c another
+    one; none is a socket of the others.  Also by ``(host, port)``."""
+    ctx, a, b, ab, ba = _wired("tcp,self")
+    with ctx:
+        c = ctx.create_worker()
+        ac, ca = a.connect(c.address), c.connect(a.address)
+        reqs = [c.recv_nb(np.zeros(1, np.uint8), tag=9), ac.send_nb(b"z", tag=9)]
+        end = time.monotonic() + 10
+        while not all(r.done() for r in reqs):
+            assert time.monotonic() < end, "no wireup"
+            for w in (a, b, c):
+                w.progress()
+        found = {ep: ep._tcp_lane_sockets() for ep in (ab, ba, ac, ca)}
+        assert all(fds is not None and len(fds) == 1 for fds in found.values()), found
+        name = {ep: _ends(fds).pop() for ep, fds in found.items()}
+        assert name[ab] == name[ba][::-1], name
+        assert name[ac] == name[ca][::-1], name
+        assert len({found[ep][0] for ep in found}) == 4, found
+    # By (host, port): a socket for each lane with a device (over "lo" and
+    # any other interface), not the client/server connection's.
+    ctx, a, b, ab, ba = _wired_by_port()
+    with ctx:
+        lanes = [dev for tl, dev in ab.transports if tl == "tcp" and dev]
+        fab, fba = ab._tcp_lane_sockets(), ba._tcp_lane_sockets()
+        assert fab is not None and fba is not None, ab.transports
+        assert len(fab) == len(lanes) and not set(fab) & set(fba), (fab, fba)
+        assert _ends(fab) == {(x, y) for y, x in _ends(fba)}
+
+
+@pytest.mark.parametrize("by", ["address", "port"])
+def test_release_over_tcp_in_one_process(by):
+    """Two workers of one process over TCP (an endpoint made from a worker
+    address, or by (host, port)), b not progressing: a's send misses its
+    deadline and is released after a's sockets to b are shut down; the
+    endpoint is closed, another send pending on it ends with the endpoint's
+    failure (PeerError naming the release), and b, which then sees the
+    connection closed, fails its endpoint back to a."""
+    ctx, a, b, ab, ba = _wired("tcp,self") if by == "address" else _wired_by_port()
+    with ctx:
+        rreq = b.recv_nb(np.zeros(8 << 20, np.uint8), tag=5)
+        other = ab.send_nb(np.ones(1 << 20, np.uint8), tag=6)
+        ab.on_timeout = "release"
+        with pytest.raises(gpucx.TimeoutError) as info:
+            ab.send(np.ones(8 << 20, np.uint8), tag=5, timeout=0.2)
+        assert info.value.released is True, info.value
+        assert ab.closed
+        assert other.done()
+        with pytest.raises(gpucx.PeerError, match="shut the endpoint's TCP"):
+            other.result()
+        end = time.monotonic() + 5
+        while ba.error is None:
+            assert time.monotonic() < end, "b never saw the connection close"
+            b.progress()
+        del rreq

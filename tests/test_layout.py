@@ -389,7 +389,7 @@ _REACH_PACKAGES = tuple(
     sorted({p.relative_to(ROOT).parts[0] for p in ROOT.rglob("*.py")})
 )
 _REACH_CEILING = {
-    "_engine.py": 15,  # issue 35: ep._tcp_send_in_flight (release refusal)
+    "_engine.py": 16,  # issue 35: ep._tcp_release_refused, ep._shut_tcp_lanes
     "_handle.py": 9,
     "_heartbeat.py": 4,
     "_internal.py": 9,
