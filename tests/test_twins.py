@@ -8,6 +8,10 @@ keeps them together: each pair is called with the same arguments, good and
 bad, and must raise the same exception type with the same message, or give
 the same result (``twin(...).wait()`` against the blocking call).
 
+Pairs that take device memory or ``stream=`` are also called with (fake)
+device memory and bad streams (the last section), so the CUDA door's checks
+answer alike too.
+
 Add a pair here when you add a blocking call with a non-blocking twin.
 """
 
@@ -341,3 +345,102 @@ def test_every_twin_refuses_a_closed_endpoint_alike(pair, key):
         nb = getattr(pair.ab, name + "_nb")
         r = same(lambda: blocking(*args), lambda: nb(*args))  # noqa: B023
         assert r[0] == "raise" and issubclass(r[1], gpucx.ClosedError), (name, r)
+
+
+# -- device memory ------------------------------------------------------------
+# Test doubles: the CUDA driver is tests/fakegpu.FakeDriver and the "device"
+# memory is host memory behind a fake ``__cuda_array_interface__`` (this
+# machine has no GPU).  What is compared is what the twins do before UCX
+# sees the memory: the CUDA door's checks, the stream argument.
+
+#: (name, blocking call, non-blocking call) of every pair that takes
+#: ``stream=``; ``b`` is the buffer, ``k`` a remote key.
+DEVICE_TWINS = [
+    (
+        "send",
+        lambda p, b, k, **kw: p.ab.send(b, tag=1, **kw),
+        lambda p, b, k, **kw: p.ab.send_nb(b, tag=1, **kw),
+    ),
+    (
+        "recv",
+        lambda p, b, k, **kw: p.b.recv(b, tag=1, timeout=T, **kw),
+        lambda p, b, k, **kw: p.b.recv_nb(b, tag=1, **kw),
+    ),
+    (
+        "stream_send",
+        lambda p, b, k, **kw: p.ab.stream_send(b, **kw),
+        lambda p, b, k, **kw: p.ab.stream_send_nb(b, **kw),
+    ),
+    (
+        "am_send",
+        lambda p, b, k, **kw: p.ab.am_send(7, b, **kw),
+        lambda p, b, k, **kw: p.ab.am_send_nb(7, b, **kw),
+    ),
+    (
+        "put",
+        lambda p, b, k, **kw: p.ab.put(b, k, **kw),
+        lambda p, b, k, **kw: p.ab.put_nb(b, k, **kw),
+    ),
+    (
+        "get",
+        lambda p, b, k, **kw: p.ab.get(b, k, **kw),
+        lambda p, b, k, **kw: p.ab.get_nb(b, k, **kw),
+    ),
+]
+
+
+@pytest.fixture
+def fake_driver():
+    """Install tests/fakegpu.FakeDriver (test double); restore afterwards."""
+    from gpucx.mem import cuda as gcuda
+
+    from fakegpu import FakeDriver
+
+    drv = FakeDriver()
+    previous = gcuda.set_driver(drv)
+    yield drv
+    gcuda.restore_driver(previous)
+
+
+def _device_buffer(drv, nbytes: int = 8):
+    """A fake device buffer the fake driver reports as device 0's memory."""
+    from fakegpu import FakeCudaArrayV2
+
+    mem = np.zeros(nbytes, np.uint8)
+    drv.pointers[mem.__array_interface__["data"][0]] = (
+        gpucx.MemoryType.CUDA.value,
+        0,
+        0xC0,
+    )
+    return FakeCudaArrayV2(mem)
+
+
+@pytest.mark.parametrize(
+    "name,blocking,nb", DEVICE_TWINS, ids=[t[0] for t in DEVICE_TWINS]
+)
+def test_device_twins_refuse_a_context_without_cuda_alike(
+    fake_driver, pair, key, name, blocking, nb
+):
+    """A context that cannot move device memory (this host's UCX has no
+    CUDA transports): both twins refuse the fake device buffer with the
+    same error, before UCX sees it."""
+    buf = _device_buffer(fake_driver)
+    r = same(lambda: blocking(pair, buf, key), lambda: nb(pair, buf, key))
+    assert r[0] == "raise" and r[1] is gpucx.UnsupportedError, r
+
+
+@pytest.mark.parametrize(
+    "name,blocking,nb", DEVICE_TWINS, ids=[t[0] for t in DEVICE_TWINS]
+)
+@pytest.mark.parametrize("stream", ["7", 1.5, -1, object()], ids=repr)
+def test_device_and_host_twins_refuse_a_bad_stream_alike(
+    fake_driver, pair, key, name, blocking, nb, stream
+):
+    """A bad ``stream=`` is refused alike by both twins, for host memory and
+    for (fake) device memory."""
+    for buf in (np.zeros(8, np.uint8), _device_buffer(fake_driver)):
+        r = same(
+            lambda buf=buf: blocking(pair, buf, key, stream=stream),
+            lambda buf=buf: nb(pair, buf, key, stream=stream),
+        )
+        assert r[0] == "raise", (buf, r)
