@@ -228,3 +228,18 @@ def fake_libcuda(lib_path):
     yield d
     d._lib.fake_reset()
     cuda.restore_driver(previous)
+
+
+@pytest.fixture
+def fake_driver():
+    """gpucx's CUDA driver replaced by ``fakegpu.FakeDriver`` (a test double
+    in Python: pointer attributes, contexts and streams it is told) for one
+    test; the real state restored after."""
+    from gpucx.mem import cuda
+
+    from fakegpu import FakeDriver
+
+    drv = FakeDriver()
+    previous = cuda.set_driver(drv)
+    yield drv
+    cuda.restore_driver(previous)

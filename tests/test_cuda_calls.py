@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_gpu_layer as _layer
 from test_gpu_layer import CUDA, PostSpy, _cuda_capable, _Posted
 
 import gpucx
@@ -28,7 +27,6 @@ from fakegpu import FakeCudaArrayV2, FakeCudaArrayV3, FakeDriver
 
 pytestmark = pytest.mark.timeout(60)
 
-fake_driver = _layer.fake_driver
 
 DRIVER_QUERIES = {"pointer", "current_context", "stream_query"}
 

@@ -20,8 +20,8 @@ from gpucx.mem import cuda as gcuda
 
 pytestmark = pytest.mark.timeout(60)
 
-#: The fixtures that install a FakeDriver (test double) or hide the driver.
-fake_driver = _layer.fake_driver
+#: The fixture that hides the driver (conftest's fake_driver installs a
+#: FakeDriver, a test double).
 no_driver = _layer.no_driver
 
 DEV0, DEV1 = 0xC0, 0xC1  # FakeDriver's primary contexts of devices 0 and 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_gpu_layer as _layer
 from test_gpu_layer import CUDA, PostSpy, _Posted, _setup_fake
 
 from gpucx._engine import Engine
@@ -24,10 +23,6 @@ from gpucx.ops import tag as _tag
 from gpucx.ops.am import _send as _am_send
 
 from fakegpu import FakeCudaArrayV2
-
-#: The fixture that installs a FakeDriver (test double), shared with
-#: test_gpu_layer.
-fake_driver = _layer.fake_driver
 
 pytestmark = pytest.mark.timeout(60)
 

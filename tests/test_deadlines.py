@@ -389,20 +389,25 @@ def test_asyncio_wait_for_on_withdrawable_receive():
     asyncio.run(main())
 
 
-def _wired(tls: str = "posix,sysv,self"):
-    """A context, two workers of it and endpoints both ways, wired up."""
-    ctx = gpucx.Context(config={"TLS": tls})
-    a, b = ctx.create_worker(), ctx.create_worker()
+def _wire_up(a, b):
+    """Endpoints both ways between workers ``a`` and ``b`` (one process),
+    wired up by a message each way."""
     ab, ba = a.connect(b.address), b.connect(a.address)
-    one = np.zeros(1, np.uint8)
-    reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
+    reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
     reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
     end = time.monotonic() + 10
     while not all(r.done() for r in reqs):
         assert time.monotonic() < end, "no wireup"
         a.progress()
         b.progress()
-    return ctx, a, b, ab, ba
+    return ab, ba
+
+
+def _wired(tls: str = "posix,sysv,self"):
+    """A context, two workers of it and endpoints both ways, wired up."""
+    ctx = gpucx.Context(config={"TLS": tls})
+    a, b = ctx.create_worker(), ctx.create_worker()
+    return (ctx, a, b, *_wire_up(a, b))
 
 
 def test_release_in_one_process_cancels_the_rest():
@@ -535,14 +540,8 @@ def test_out_of_band_notice_to_a_peer_without_handlers():
         gpucx.Context(features={"tag"}, config=tls) as cb,
     ):
         a, b = ca.create_worker(), cb.create_worker()
-        ab, ba = a.connect(b.address), b.connect(a.address)
+        ab, ba = _wire_up(a, b)
         one = np.zeros(1, np.uint8)
-        reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
-        end = time.monotonic() + 10
-        while not all(r.done() for r in reqs):
-            assert time.monotonic() < end, "no wireup"
-            a.progress()
-            b.progress()
         got = np.zeros(8 << 20, np.uint8)
         b.recv_nb(got, tag=5)
         ab.on_timeout = "release"
@@ -575,14 +574,7 @@ def test_a_closing_worker_gives_its_notice_endpoints_little_time():
     tls = {"TLS": "posix,sysv,self"}
     with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
         a, b = ca.create_worker(), cb.create_worker()
-        ab, ba = a.connect(b.address), b.connect(a.address)
-        one = np.zeros(1, np.uint8)
-        reqs = [b.recv_nb(one, tag=99), ab.send_nb(b"x", tag=99)]
-        end = time.monotonic() + 10
-        while not all(r.done() for r in reqs):
-            assert time.monotonic() < end, "no wireup"
-            a.progress()
-            b.progress()
+        ab, ba = _wire_up(a, b)
         # Messages b never takes fill its shared-memory FIFO, which every
         # sender to b writes into: the notice endpoint's messages too.
         small = np.ones(8 << 10, np.uint8)

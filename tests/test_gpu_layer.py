@@ -33,7 +33,6 @@ from fakegpu import (
     FakeCudaArrayV3,
     FakeCupyStream,
     FakeDLPackCuda,
-    FakeDriver,
     FakeNumbaStream,
     FakeTorchStream,
 )
@@ -50,15 +49,6 @@ def no_driver():
     """Hide any CUDA driver, so the result is the same on a GPU machine."""
     previous = gcuda.set_driver(None, NO_DRIVER)
     yield
-    gcuda.restore_driver(previous)
-
-
-@pytest.fixture
-def fake_driver():
-    """Install a :class:`FakeDriver`; restore the real state afterwards."""
-    drv = FakeDriver()
-    previous = gcuda.set_driver(drv)
-    yield drv
     gcuda.restore_driver(previous)
 
 

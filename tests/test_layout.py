@@ -36,6 +36,17 @@ def _modules() -> dict[str, pathlib.Path]:
     return mods
 
 
+def _from_base(node: ast.ImportFrom, package: str) -> str:
+    """The absolute module a ``from ... import`` in ``package`` reads from
+    (a relative import resolved)."""
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")
+        up = up[: len(up) - (node.level - 1)]
+        base = ".".join(up + ([base] if base else []))
+    return base
+
+
 def _runtime_nodes(tree: ast.AST):
     """The nodes of a module that can run: everything except the bodies of
     ``if TYPE_CHECKING:`` (the only imports the layer rules leave out)."""
@@ -62,11 +73,7 @@ def _imports(name: str, path: pathlib.Path, mods) -> set[str]:
         if isinstance(node, ast.Import):
             deps.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")
-                up = up[: len(up) - (node.level - 1)]
-                base = ".".join(up + ([base] if base else []))
+            base = _from_base(node, package)
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 deps.add(sub if sub in mods else base)
@@ -555,11 +562,7 @@ def _cuda_uses(name: str, path: pathlib.Path) -> list[tuple[int, str]]:
     uses: list[tuple[int, str]] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                up = package.split(".")
-                up = up[: len(up) - (node.level - 1)]
-                base = ".".join(up + ([base] if base else []))
+            base = _from_base(node, package)
             for a in node.names:
                 if f"{base}.{a.name}" == _CUDA:
                     aliases.add(a.asname or a.name)

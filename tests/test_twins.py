@@ -389,19 +389,6 @@ DEVICE_TWINS = [
 ]
 
 
-@pytest.fixture
-def fake_driver():
-    """Install tests/fakegpu.FakeDriver (test double); restore afterwards."""
-    from gpucx.mem import cuda as gcuda
-
-    from fakegpu import FakeDriver
-
-    drv = FakeDriver()
-    previous = gcuda.set_driver(drv)
-    yield drv
-    gcuda.restore_driver(previous)
-
-
 def _device_buffer(drv, nbytes: int = 8):
     """A fake device buffer the fake driver reports as device 0's memory."""
     from fakegpu import FakeCudaArrayV2
