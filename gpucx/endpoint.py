@@ -7,7 +7,10 @@ import hashlib
 import os
 import socket
 import struct
+import sys
 import time
+import types
+import warnings
 import weakref
 
 from . import _address
@@ -19,6 +22,7 @@ from ._lib import ffi, lib
 from ._liveness import SUSPECT_S, proc_alive
 from .config import on_timeout_mode
 from .errors import (
+    CanceledError,
     InvalidAddressError,
     UCXError,
     UnsupportedError,
@@ -75,9 +79,19 @@ class Endpoint(Handle):
     #: gpucx worker address (the peer runs gpucx): where :meth:`abort`
     #: sends its notice out of band when the in-band one cannot leave.
     _peer_ucx: bytes | None = None
-    #: gpucx shut this endpoint's TCP lanes down to release a send
-    #: (:meth:`_shut_tcp_lanes`): :meth:`abort`'s notice goes out of band.
+    #: gpucx shut this endpoint's TCP lanes down before a force close, a
+    #: send of this side being in flight over TCP (:meth:`_shut_tcp_lanes`):
+    #: :meth:`abort`'s notice goes out of band.
     _lanes_shut: bool = False
+    #: Why a close of the user's (``close(force=True)``, or a flush close
+    #: past its timeout) shut those lanes down, or None: the operations UCX
+    #: then failed end with CanceledError saying so, as a force close's
+    #: do, not PeerError.
+    _shut_by_close: str | None = None
+    #: :meth:`abort` looked for a TCP send in flight before its notice: the
+    #: close that follows does not look again (the notice, a few bytes of
+    #: gpucx's own queued behind what is in flight, is none of the user's).
+    _shut_decided: bool = False
 
     def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
@@ -230,6 +244,8 @@ class Endpoint(Handle):
         st = self._state.error
         if st == lib.UCS_OK:
             return None
+        if self._shut_by_close is not None and self._error_reason is None:
+            return None  # closed here (close(force=True)), not failed
         exc = peer_error_for(st, f"endpoint {self.peer}")
         if self._error_reason is not None:
             exc.args = (f"endpoint {self.peer}: {self._error_reason}",)
@@ -248,9 +264,14 @@ class Endpoint(Handle):
             self._engine.check_peer(self)
         if self._state is None or self._state.error == lib.UCS_OK:
             return None
+        reason = self._error_reason
+        if reason is None and self._shut_by_close is not None:
+            # A close of the user's shut the TCP lanes down before its force
+            # close (_shut_tcp_lanes): canceled, as by the force close itself.
+            return CanceledError(f"{what}: {self._shut_by_close}", _CANCELED)
         exc = peer_error_for(self._state.error, what)
-        if self._error_reason is not None:  # gpucx found the peer dead
-            exc.args = (f"{what}: {self._error_reason}",)
+        if reason is not None:  # gpucx found the peer dead (or released it)
+            exc.args = (f"{what}: {reason}",)
         else:
             exc.args = (exc.args[0] + self._failure_hint(),)
         return exc
@@ -297,6 +318,14 @@ class Endpoint(Handle):
         """
         e = self._engine
         e.unhear(self)
+        force = self._peer_mode and not e.multi
+        if force and self._state.error == lib.UCS_OK:
+            # A send of this side in flight over TCP: its sockets first, while
+            # UCX has not failed the endpoint (its error callback ends the
+            # wait).  Where gpucx cannot find them, the force close goes
+            # ahead (the endpoint fails anyway; docs/reliability.md, "Known
+            # UCX limitation").
+            self._shut_tcp_lanes(reason=reason)
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -305,7 +334,6 @@ class Endpoint(Handle):
         parent = self._parent  # the bookkeeping close() does for a closed child
         if parent is not None:
             parent._live -= 1
-        force = self._peer_mode and not e.multi
         if force:
             pending = [r for r in e.pending if r._slot.status == INPROGRESS]
             slot = new_slot()
@@ -581,25 +609,39 @@ class Endpoint(Handle):
         fds = [fd for p, fd in _epoll_pointers() if p in near and _tcp_connection(fd)]
         return fds if len(fds) == lanes else None
 
-    def _shut_tcp_lanes(self, slot=None) -> None:
-        """Before :meth:`abort` releases ``slot``'s operation: when UCX still
-        carries a send of this side over a TCP lane
-        (:meth:`_tcp_send_in_flight`), shut the lanes' sockets down
-        (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and progress (at most
-        ``TCP_SHUTDOWN_S``) until UCX fails the endpoint, as when a peer's
-        connection breaks: UCX completes the send with an error and closes
-        the socket itself, and the force close that follows meets a failed
-        connection, not the one UCX 1.22 keeps for receiving and later
-        crashes on (docs/reliability.md, "Known UCX limitation")."""
-        if self._tcp_send_in_flight(slot) is None:
-            return
-        fds = self._tcp_lane_sockets()
+    def _shut_tcp_lanes(
+        self, slot=None, reason: str | None = None, cancels: bool = False
+    ) -> str | None:
+        """Before a force close: when UCX still carries a send of this side
+        over a TCP lane (:meth:`_tcp_send_in_flight`, for ``slot``'s
+        operation or another one pending on the endpoint), shut the lanes'
+        sockets down (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and
+        progress (at most ``TCP_SHUTDOWN_S``) until UCX fails the endpoint,
+        as when a peer's connection breaks: UCX completes the send with an
+        error and closes the socket itself, and the force close that follows
+        meets a failed connection, not the one UCX 1.22 keeps for receiving
+        and later crashes on (docs/reliability.md, "Known UCX limitation").
+
+        The operations UCX fails then say ``reason`` (None: a release's
+        words, what ``Engine._release`` calls it for); ``cancels``: they end
+        with CanceledError (a close of the user's) rather than PeerError.
+        What releases a send (``Engine._release``), closes with ``force``
+        (:meth:`_release`) and fails an endpoint (:meth:`_peer_died`) calls.
+        Only an endpoint UCX has not failed yet (its error callback is what
+        ends the wait).  Returns None when nothing was in flight over TCP or
+        the lanes were shut down, else what was in flight (a TCP send whose
+        sockets gpucx could not find: the caller's force close risks the
+        crash)."""
+        why = self._tcp_send_in_flight(slot)
+        if why is None:
+            return None
+        fds = self._tcp_lane_sockets()  # the /proc search: only now
         if not fds:
-            return
-        self._error_reason = self._closed_reason = (
-            "released after a deadline (on_timeout='release'): gpucx shut "
-            "the endpoint's TCP connection down"
-        )
+            return why
+        if cancels:
+            self._shut_by_close = reason
+        else:
+            self._error_reason = _RELEASED_SHUT if reason is None else reason
         self._lanes_shut = True  # abort's notice then goes out of band only
         for fd in fds:
             _shutdown(fd)
@@ -607,6 +649,7 @@ class Endpoint(Handle):
         end = time.monotonic() + TCP_SHUTDOWN_S
         while self._state.error == lib.UCS_OK and time.monotonic() < end:
             lib.ucp_worker_progress(e.h)
+        return None
 
     def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
         """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
@@ -640,6 +683,11 @@ class Endpoint(Handle):
             return
         self._released_reason = reason
         self._closed_reason = reason
+        if self._peer_mode and not self._borrowed and self._state.error == lib.UCS_OK:
+            # A TCP send in flight: the sockets first, before the notice
+            # (which then goes out of band only, _notify_abort).
+            self._shut_before_force_close(_ABORTED_SHUT)
+        self._shut_decided = True
         if notify and not self._borrowed:
             self._notify_abort()
         self.close(force=True)
@@ -910,6 +958,16 @@ class Endpoint(Handle):
             # close in UCX completes without waiting for, e.g., a rendezvous
             # send the peer has not matched, which would then never finish.
             force = not self._drain(deadline)
+        if (
+            force
+            and self._peer_mode
+            and not self._shut_decided
+            and self._state.error == lib.UCS_OK
+        ):
+            forced = getattr(self, "_force", False)
+            self._shut_before_force_close(
+                _FORCE_CLOSED_SHUT if forced else _TIMED_OUT_SHUT
+            )
         slot = new_slot()
         if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
             # A flush close needs the peer to progress, which may be another
@@ -933,6 +991,19 @@ class Endpoint(Handle):
             return  # UCX may still use the keys: never free them under it
         for rkey in self._late_rkeys:
             lib.gpucx_rkey_destroy(rkey)
+
+    def _shut_before_force_close(self, reason: str) -> None:
+        """A close about to force-close this endpoint (``force=True``, a
+        flush close past its timeout, :meth:`abort`) while UCX has not
+        failed it: a send of this side in flight over TCP has the lanes
+        shut down first (:meth:`_shut_tcp_lanes`; the operations then end
+        with CanceledError saying ``reason``); where gpucx cannot find
+        their sockets the force close goes ahead, with a ``RuntimeWarning``
+        (once per process) naming the risk."""
+        why = self._shut_tcp_lanes(reason=reason, cancels=True)
+        if why is None or _FORCE_CLOSE_WARNED:
+            return
+        _warn_force_close(why)
 
     def _drain(self, deadline: float | None) -> bool:
         """Flush, then wait until no request of this endpoint is pending.
@@ -1114,6 +1185,65 @@ def _notice_handler(e):
             ep.fail(_ABORTED_BY_PEER)
 
     return on_notice
+
+
+#: What the operations UCX fails after Endpoint._shut_tcp_lanes say: for a
+#: release, a close(force=True) of the user's, a flush close past its timeout.
+_RELEASED_SHUT = (
+    "released after a deadline (on_timeout='release'): gpucx shut the "
+    "endpoint's TCP connection down"
+)
+_FORCE_CLOSED_SHUT = (
+    "canceled by close(force=True): gpucx shut the endpoint's TCP connection "
+    "down first (a send of this side was in flight over TCP)"
+)
+_ABORTED_SHUT = (
+    "canceled by abort(): gpucx shut the endpoint's TCP connection down "
+    "first (a send of this side was in flight over TCP)"
+)
+_TIMED_OUT_SHUT = (
+    "canceled by close(): the flush did not finish within the close's "
+    "timeout, and gpucx shut the endpoint's TCP connection down before "
+    "force-closing it (a send of this side was in flight over TCP)"
+)
+_CANCELED = lib.UCS_ERR_CANCELED
+#: Endpoint._shut_before_force_close warned once already (this process).
+_FORCE_CLOSE_WARNED = False
+
+
+def _warn_force_close(why: str) -> None:
+    """Warn, once per process, that a close force-closes an endpoint with
+    a TCP send in flight whose sockets gpucx could not find (``why``: what
+    :meth:`Endpoint._tcp_send_in_flight` said)."""
+    global _FORCE_CLOSE_WARNED
+    _FORCE_CLOSE_WARNED = True
+    from ._lib import UCX_VERSION
+
+    why = why.replace("so it was left open", "and it is force-closed anyway")
+    warnings.warn(
+        f"{why}: gpucx shuts such an endpoint's TCP connections down before a "
+        "force close, but could not find their sockets (it knows where UCX "
+        f"1.21 and 1.22 keep them; this is UCX {UCX_VERSION[0]}."
+        f"{UCX_VERSION[1]}). Give the operation up with "
+        "on_timeout='release' instead, or let it finish before closing; "
+        "this warning is given once per process",
+        RuntimeWarning,
+        stacklevel=_outside_gpucx(),
+    )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_gpucx() -> int:
+    """The ``stacklevel`` of the first frame outside gpucx, for a warning
+    issued by the function that calls this one (a close comes through
+    several of gpucx's frames: a worker's close, a context manager)."""
+    f: types.FrameType | None = sys._getframe(1)
+    level = 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level
 
 
 #: Operations (gpucx.protocols.OPERATIONS keys) that carry this side's data
