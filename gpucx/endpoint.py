@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import socket
 import struct
-import sys
 import time
 import types
 import warnings
@@ -88,9 +88,10 @@ class Endpoint(Handle):
     #: then failed end with CanceledError saying so, as a force close's
     #: do, not PeerError.
     _shut_by_close: str | None = None
-    #: :meth:`abort` looked for a TCP send in flight before its notice: the
-    #: close that follows does not look again (the notice, a few bytes of
-    #: gpucx's own queued behind what is in flight, is none of the user's).
+    #: :meth:`abort` (or the heartbeat, :meth:`_fell_silent`) looked for a
+    #: TCP send in flight before its notice: the force close that follows
+    #: does not look again (the notice, a few bytes of gpucx's own queued
+    #: behind what is in flight, would count as one).
     _shut_decided: bool = False
 
     def __init__(self, worker, state, peer: str, hear: bool = False):
@@ -283,26 +284,31 @@ class Endpoint(Handle):
         self._peer_id = (pid, start_time)
         self._engine.watch(self, pid, start_time, self._state, self._peer_died)
 
-    def _fell_silent(self, reason: str) -> None:
+    def _fell_silent(self, reason: str, slot=None) -> None:
         """The peer, which answered the heartbeat once (gpucx._heartbeat),
         fell silent for ``GPUCX_PEER_TIMEOUT`` while operations on this
         endpoint waited for it: fail this endpoint
         with ``reason`` (PeerError for every pending operation) after
         sending the peer the abort notice, so that its own operations with
-        this side fail at once when it runs again."""
+        this side fail at once when it runs again.  ``slot``: the operation
+        of a blocking wait on this endpoint (no tracked request), or None."""
         if self._h is None:
             return
-        self._notify_abort()
         # Force-closed as for a dead peer: the close is what fails the
-        # thawed peer's operations over TCP.  UCX 1.22's use after free
-        # after a force close (docs/reliability.md, "Known UCX limitation")
-        # needs a send fragment stuck half-written on the socket; a peer
-        # that stopped taking data is reset by TCP_USER_TIMEOUT (0.6 T)
-        # before the heartbeat's T, so the heartbeat meets a peer that
-        # only stopped answering, with nothing stuck towards it.
-        self._peer_died(reason)
+        # thawed peer's operations over TCP.  A send of this side still on
+        # a TCP socket (a peer that stopped taking data, where
+        # TCP_USER_TIMEOUT has not reset the connection first: UCX before
+        # 1.22, or the option chosen longer) has the sockets shut down
+        # first (docs/reliability.md, "Known UCX limitation"), decided
+        # before the notice as abort() decides it (the notice then goes out
+        # of band only).
+        if self._peer_mode and not self._engine.multi:
+            self._shut_tcp_lanes(slot, reason)
+        self._shut_decided = True
+        self._notify_abort()
+        self._peer_died(reason, slot)
 
-    def _peer_died(self, reason: str) -> None:
+    def _peer_died(self, reason: str, slot=None) -> None:
         """gpucx found the peer, a process of this host, dead (the engine's
         liveness check, :mod:`gpucx._liveness`): fail this endpoint with
         ``reason`` and close it in UCX.
@@ -315,17 +321,21 @@ class Endpoint(Handle):
         way, a tracked request UCX still holds is parked (its buffers stay
         alive until UCX lets go) and fails with PeerError, and blocking
         waits on the endpoint raise PeerError (``Engine.block``).
+
+        A send of this side in flight over TCP (a tracked request's, or
+        ``slot``'s: a blocking wait's operation) has the endpoint's sockets
+        shut down before the force close (:meth:`_shut_tcp_lanes`).
         """
         e = self._engine
         e.unhear(self)
         force = self._peer_mode and not e.multi
-        if force and self._state.error == lib.UCS_OK:
+        if force and not self._shut_decided and self._state.error == lib.UCS_OK:
             # A send of this side in flight over TCP: its sockets first, while
             # UCX has not failed the endpoint (its error callback ends the
             # wait).  Where gpucx cannot find them, the force close goes
             # ahead (the endpoint fails anyway; docs/reliability.md, "Known
             # UCX limitation").
-            self._shut_tcp_lanes(reason=reason)
+            self._shut_tcp_lanes(slot, reason)
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -1239,7 +1249,8 @@ def _outside_gpucx() -> int:
     """The ``stacklevel`` of the first frame outside gpucx, for a warning
     issued by the function that calls this one (a close comes through
     several of gpucx's frames: a worker's close, a context manager)."""
-    f: types.FrameType | None = sys._getframe(1)
+    here = inspect.currentframe()
+    f: types.FrameType | None = here.f_back if here is not None else None
     level = 1
     while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
         f, level = f.f_back, level + 1

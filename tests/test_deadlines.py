@@ -839,3 +839,82 @@ def test_force_close_where_the_sockets_are_unknown_warns_once(monkeypatch):
             warnings.simplefilter("error")
             idle.close(force=True)
         assert not idle._lanes_shut
+
+
+def test_heartbeat_failing_a_blocking_send_over_tcp_shuts_the_sockets_first(
+    monkeypatch,
+):
+    """The heartbeat fails an endpoint whose peer stopped answering while a
+    blocking send on it (no tracked request: the wait's own operation)
+    waits over TCP: the sockets are shut down before the force close (b
+    sees the connection end), and the send fails with PeerError naming the
+    silence.  (b in a context of its own: nothing progresses it.)"""
+    monkeypatch.setenv("GPUCX_PEER_TIMEOUT", "1")
+    tls = {"TLS": "tcp,self"}
+    with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        _wire(a, ab, b, ba)
+        # b answers a ping (sent once a wait lasts 0.2 T), then takes the send.
+        req = ab.send_nb(np.ones(8 << 20, np.uint8), tag=1)
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            a.progress()
+            b.progress()
+        assert a._engine.beats[ab].answered
+        r = b.recv_nb(np.zeros(8 << 20, np.uint8), tag=1)
+        while not (req.done() and r.done()):
+            a.progress()
+            b.progress()
+        # b stops; a's blocking send waits until the heartbeat fails it.
+        with pytest.raises(gpucx.PeerError, match="did not answer"):
+            ab.send(np.ones(8 << 20, np.uint8), tag=2, timeout=10)
+        assert ab.closed and ab._lanes_shut
+        assert _sees_the_end(b, ba), "the connection was not shut down"
+        ba.close()
+
+
+@pytest.mark.timeout(120)
+def test_heartbeat_fails_a_frozen_peer_across_hosts(hosts):
+    """Two emulated hosts: the heartbeat (GPUCX_PEER_TIMEOUT=2) fails the
+    endpoint of a peer that stopped (SIGSTOP) while this side's 8 MiB send
+    to it is stuck on the TCP socket (TCP_USER_TIMEOUT chosen long, so
+    that the kernel does not reset the connection first, as it would at
+    0.6 T by default): the endpoint's sockets are shut down before its
+    force close, and this side outlives the resumed peer closing its
+    endpoint (the exit status is checked)."""
+    a, b = hosts
+    env = {"GPUCX_PEER_TIMEOUT": "2", "UCX_TCP_USER_TIMEOUT": "60s"}
+    victim = b.python(PEERS, "victim", "hb", label="hb victim", env=env)
+    sender = a.python(PEERS, "releaser", "hb", label="hb sender", env=env)
+    try:
+        va, sa = victim.get(), sender.get()
+        victim.put(sa)
+        sender.put(va)
+        assert victim.get() == "ready"
+        end = time.monotonic() + 10
+        while not _stopped(victim.proc.pid):
+            assert time.monotonic() < end, "the victim did not stop"
+            time.sleep(0.002)
+        sender.put("go")
+        seen = sender.get(timeout=30)
+        assert seen["answered"], seen
+        assert seen["error"] == "PeerError", seen
+        assert "did not answer for 2 s" in seen["message"], seen
+        assert seen["closed"] and seen["lanes_shut"], seen
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        assert victim.get() == "resumed"
+        victim.put("bye")
+        assert victim.get() == "closed"
+        sender.put("closed")
+        assert sender.get() == "alive"
+        victim.put("exit")
+        sender.put("exit")
+        victim.join(15)
+        sender.join(15)
+    finally:
+        for p in (victim, sender):
+            if p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                p.proc.kill()
+                p.proc.wait(5)
