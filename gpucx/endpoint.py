@@ -83,10 +83,10 @@ class Endpoint(Handle):
     #: send of this side being in flight over TCP (:meth:`_shut_tcp_lanes`):
     #: :meth:`abort`'s notice goes out of band.
     _lanes_shut: bool = False
-    #: Why a close of the user's (``close(force=True)``, or a flush close
-    #: past its timeout) shut those lanes down, or None: the operations UCX
-    #: then failed end with CanceledError saying so, as a force close's
-    #: do, not PeerError.
+    #: Why a close of the user's (``close(force=True)``, :meth:`abort`, a
+    #: flush close past its timeout) shut those lanes down, or None: the
+    #: operations UCX then failed end with CanceledError saying so, as a
+    #: force close's do, not PeerError.
     _shut_by_close: str | None = None
     #: :meth:`abort` (or the heartbeat, :meth:`_fell_silent`) looked for a
     #: TCP send in flight before its notice: the force close that follows
@@ -916,6 +916,11 @@ class Endpoint(Handle):
         ``force=True`` closes at once (``UCP_EP_CLOSE_MODE_FORCE``): pending
         operations fail with :class:`~gpucx.CanceledError`, nothing is
         flushed.  An endpoint whose peer failed is always force-closed.
+        Before any force close, a send of this side that UCX still carries
+        over TCP has the endpoint's TCP connection shut down first (UCX 1.21
+        and 1.22 crash this process otherwise once the peer closes its
+        side): its operations' CanceledError says so (docs/reliability.md,
+        "Every force close goes through the shutdown").
 
         A ``mode="same-host"`` endpoint is never force-closed (UCX forbids
         it without peer error handling) and its close does not wait: with
@@ -929,6 +934,13 @@ class Endpoint(Handle):
         ------
         ValueError
             For a negative ``timeout``.
+
+        Warns
+        -----
+        RuntimeWarning
+            Once per process, when a force close meets a send in flight over
+            TCP whose sockets gpucx cannot find (a UCX other than 1.21 and
+            1.22): the close goes ahead, at the risk of that crash.
         """
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0, not {timeout}")
