@@ -709,7 +709,7 @@ class Engine:
             while st == INPROGRESS:
                 self.poll_events()
                 if self.beats:  # the peer must show it progresses
-                    _hb.check(self, ep)
+                    _hb.check(self, ep, slot)
                 if (
                     ep is not None
                     and ep.closed

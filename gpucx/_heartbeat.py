@@ -77,8 +77,9 @@ class Beat:
 
     def __init__(self, token: int, on_silence):
         self.token = token
-        #: on_silence(reason): what fails the endpoint (a weak method: the
-        #: engine must not keep an endpoint nobody holds alive).
+        #: on_silence(reason, slot): what fails the endpoint (a weak method:
+        #: the engine must not keep an endpoint nobody holds alive); ``slot``:
+        #: the operation of a blocking wait on it, or None.
         self.on_silence = weakref.WeakMethod(on_silence)
         #: When the peer was last heard (or the wait began).
         self.heard = 0.0
@@ -97,7 +98,9 @@ def interval(timeout: float) -> float:
 
 def hear(engine, ep, on_silence) -> None:
     """Check that ``ep``'s peer progresses while operations on it wait;
-    ``on_silence(reason)`` fails the endpoint."""
+    ``on_silence(reason, slot)`` fails the endpoint (``slot``: the
+    operation a blocking wait on it waits for, which no tracked request
+    shows, or None)."""
     engine.beat_token += 1
     tok = engine.beat_token
     engine.beats[ep] = Beat(tok, on_silence)
@@ -143,10 +146,11 @@ def let_go(engine, req) -> None:
         engine.park(req._slot, req._keep)
 
 
-def check(engine, ep=None) -> None:
+def check(engine, ep=None, slot=None) -> None:
     """Ping the peers that operations wait on, and fail those that answered
     once but not for ``context.peer_timeout`` seconds.  ``ep``: the endpoint
-    a blocking wait waits on (its operation is no tracked request)."""
+    a blocking wait waits on, ``slot`` its operation (no tracked request:
+    what fails the endpoint is told of it, a TCP send in flight)."""
     now = time.monotonic()
     if now < engine.beat_at:
         return
@@ -182,7 +186,8 @@ def check(engine, ep=None) -> None:
                 continue
             fail(
                 f"the peer did not answer for {timeout:g} s: frozen, or not "
-                "progressing (GPUCX_PEER_TIMEOUT; docs/reliability.md)"
+                "progressing (GPUCX_PEER_TIMEOUT; docs/reliability.md)",
+                slot if e is ep else None,
             )
         elif b.ping is None and silent >= PING_AFTER * timeout:
             req = engine.ping(e, b.token.to_bytes(8, "little"))

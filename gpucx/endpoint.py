@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import os
 import socket
 import struct
 import time
+import types
+import warnings
 import weakref
 
 from . import _address
@@ -19,6 +22,7 @@ from ._lib import ffi, lib
 from ._liveness import SUSPECT_S, proc_alive
 from .config import on_timeout_mode
 from .errors import (
+    CanceledError,
     InvalidAddressError,
     UCXError,
     UnsupportedError,
@@ -75,9 +79,20 @@ class Endpoint(Handle):
     #: gpucx worker address (the peer runs gpucx): where :meth:`abort`
     #: sends its notice out of band when the in-band one cannot leave.
     _peer_ucx: bytes | None = None
-    #: gpucx shut this endpoint's TCP lanes down to release a send
-    #: (:meth:`_shut_tcp_lanes`): :meth:`abort`'s notice goes out of band.
+    #: gpucx shut this endpoint's TCP lanes down before a force close, a
+    #: send of this side being in flight over TCP (:meth:`_shut_tcp_lanes`):
+    #: :meth:`abort`'s notice goes out of band.
     _lanes_shut: bool = False
+    #: Why a close of the user's (``close(force=True)``, :meth:`abort`, a
+    #: flush close past its timeout) shut those lanes down, or None: the
+    #: operations UCX then failed end with CanceledError saying so, as a
+    #: force close's do, not PeerError.
+    _shut_by_close: str | None = None
+    #: :meth:`abort` (or the heartbeat, :meth:`_fell_silent`) looked for a
+    #: TCP send in flight before its notice: the force close that follows
+    #: does not look again (the notice, a few bytes of gpucx's own queued
+    #: behind what is in flight, would count as one).
+    _shut_decided: bool = False
 
     def __init__(self, worker, state, peer: str, hear: bool = False):
         self._init_handle()
@@ -230,6 +245,8 @@ class Endpoint(Handle):
         st = self._state.error
         if st == lib.UCS_OK:
             return None
+        if self._shut_by_close is not None and self._error_reason is None:
+            return None  # closed here (close(force=True)), not failed
         exc = peer_error_for(st, f"endpoint {self.peer}")
         if self._error_reason is not None:
             exc.args = (f"endpoint {self.peer}: {self._error_reason}",)
@@ -248,9 +265,14 @@ class Endpoint(Handle):
             self._engine.check_peer(self)
         if self._state is None or self._state.error == lib.UCS_OK:
             return None
+        reason = self._error_reason
+        if reason is None and self._shut_by_close is not None:
+            # A close of the user's shut the TCP lanes down before its force
+            # close (_shut_tcp_lanes): canceled, as by the force close itself.
+            return CanceledError(f"{what}: {self._shut_by_close}", _CANCELED)
         exc = peer_error_for(self._state.error, what)
-        if self._error_reason is not None:  # gpucx found the peer dead
-            exc.args = (f"{what}: {self._error_reason}",)
+        if reason is not None:  # gpucx found the peer dead (or released it)
+            exc.args = (f"{what}: {reason}",)
         else:
             exc.args = (exc.args[0] + self._failure_hint(),)
         return exc
@@ -262,26 +284,31 @@ class Endpoint(Handle):
         self._peer_id = (pid, start_time)
         self._engine.watch(self, pid, start_time, self._state, self._peer_died)
 
-    def _fell_silent(self, reason: str) -> None:
+    def _fell_silent(self, reason: str, slot=None) -> None:
         """The peer, which answered the heartbeat once (gpucx._heartbeat),
         fell silent for ``GPUCX_PEER_TIMEOUT`` while operations on this
         endpoint waited for it: fail this endpoint
         with ``reason`` (PeerError for every pending operation) after
         sending the peer the abort notice, so that its own operations with
-        this side fail at once when it runs again."""
+        this side fail at once when it runs again.  ``slot``: the operation
+        of a blocking wait on this endpoint (no tracked request), or None."""
         if self._h is None:
             return
-        self._notify_abort()
         # Force-closed as for a dead peer: the close is what fails the
-        # thawed peer's operations over TCP.  UCX 1.22's use after free
-        # after a force close (docs/reliability.md, "Known UCX limitation")
-        # needs a send fragment stuck half-written on the socket; a peer
-        # that stopped taking data is reset by TCP_USER_TIMEOUT (0.6 T)
-        # before the heartbeat's T, so the heartbeat meets a peer that
-        # only stopped answering, with nothing stuck towards it.
-        self._peer_died(reason)
+        # thawed peer's operations over TCP.  A send of this side still on
+        # a TCP socket (a peer that stopped taking data, where
+        # TCP_USER_TIMEOUT has not reset the connection first: UCX before
+        # 1.22, or the option chosen longer) has the sockets shut down
+        # first (docs/reliability.md, "Known UCX limitation"), decided
+        # before the notice as abort() decides it (the notice then goes out
+        # of band only).
+        if self._peer_mode and not self._engine.multi:
+            self._shut_tcp_lanes(slot, reason)
+        self._shut_decided = True
+        self._notify_abort()
+        self._peer_died(reason, slot)
 
-    def _peer_died(self, reason: str) -> None:
+    def _peer_died(self, reason: str, slot=None) -> None:
         """gpucx found the peer, a process of this host, dead (the engine's
         liveness check, :mod:`gpucx._liveness`): fail this endpoint with
         ``reason`` and close it in UCX.
@@ -294,9 +321,21 @@ class Endpoint(Handle):
         way, a tracked request UCX still holds is parked (its buffers stay
         alive until UCX lets go) and fails with PeerError, and blocking
         waits on the endpoint raise PeerError (``Engine.block``).
+
+        A send of this side in flight over TCP (a tracked request's, or
+        ``slot``'s: a blocking wait's operation) has the endpoint's sockets
+        shut down before the force close (:meth:`_shut_tcp_lanes`).
         """
         e = self._engine
         e.unhear(self)
+        force = self._peer_mode and not e.multi
+        if force and not self._shut_decided and self._state.error == lib.UCS_OK:
+            # A send of this side in flight over TCP: its sockets first, while
+            # UCX has not failed the endpoint (its error callback ends the
+            # wait).  Where gpucx cannot find them, the force close goes
+            # ahead (the endpoint fails anyway; docs/reliability.md, "Known
+            # UCX limitation").
+            self._shut_tcp_lanes(slot, reason)
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -305,7 +344,6 @@ class Endpoint(Handle):
         parent = self._parent  # the bookkeeping close() does for a closed child
         if parent is not None:
             parent._live -= 1
-        force = self._peer_mode and not e.multi
         if force:
             pending = [r for r in e.pending if r._slot.status == INPROGRESS]
             slot = new_slot()
@@ -581,25 +619,39 @@ class Endpoint(Handle):
         fds = [fd for p, fd in _epoll_pointers() if p in near and _tcp_connection(fd)]
         return fds if len(fds) == lanes else None
 
-    def _shut_tcp_lanes(self, slot=None) -> None:
-        """Before :meth:`abort` releases ``slot``'s operation: when UCX still
-        carries a send of this side over a TCP lane
-        (:meth:`_tcp_send_in_flight`), shut the lanes' sockets down
-        (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and progress (at most
-        ``TCP_SHUTDOWN_S``) until UCX fails the endpoint, as when a peer's
-        connection breaks: UCX completes the send with an error and closes
-        the socket itself, and the force close that follows meets a failed
-        connection, not the one UCX 1.22 keeps for receiving and later
-        crashes on (docs/reliability.md, "Known UCX limitation")."""
-        if self._tcp_send_in_flight(slot) is None:
-            return
-        fds = self._tcp_lane_sockets()
+    def _shut_tcp_lanes(
+        self, slot=None, reason: str | None = None, cancels: bool = False
+    ) -> str | None:
+        """Before a force close: when UCX still carries a send of this side
+        over a TCP lane (:meth:`_tcp_send_in_flight`, for ``slot``'s
+        operation or another one pending on the endpoint), shut the lanes'
+        sockets down (``shutdown(2)``, :meth:`_tcp_lane_sockets`) and
+        progress (at most ``TCP_SHUTDOWN_S``) until UCX fails the endpoint,
+        as when a peer's connection breaks: UCX completes the send with an
+        error and closes the socket itself, and the force close that follows
+        meets a failed connection, not the one UCX 1.22 keeps for receiving
+        and later crashes on (docs/reliability.md, "Known UCX limitation").
+
+        The operations UCX fails then say ``reason`` (None: a release's
+        words, what ``Engine._release`` calls it for); ``cancels``: they end
+        with CanceledError (a close of the user's) rather than PeerError.
+        What releases a send (``Engine._release``), closes with ``force``
+        (:meth:`_release`) and fails an endpoint (:meth:`_peer_died`) calls.
+        Only an endpoint UCX has not failed yet (its error callback is what
+        ends the wait).  Returns None when nothing was in flight over TCP or
+        the lanes were shut down, else what was in flight (a TCP send whose
+        sockets gpucx could not find: the caller's force close risks the
+        crash)."""
+        why = self._tcp_send_in_flight(slot)
+        if why is None:
+            return None
+        fds = self._tcp_lane_sockets()  # the /proc search: only now
         if not fds:
-            return
-        self._error_reason = self._closed_reason = (
-            "released after a deadline (on_timeout='release'): gpucx shut "
-            "the endpoint's TCP connection down"
-        )
+            return why
+        if cancels:
+            self._shut_by_close = reason
+        else:
+            self._error_reason = _RELEASED_SHUT if reason is None else reason
         self._lanes_shut = True  # abort's notice then goes out of band only
         for fd in fds:
             _shutdown(fd)
@@ -607,6 +659,7 @@ class Endpoint(Handle):
         end = time.monotonic() + TCP_SHUTDOWN_S
         while self._state.error == lib.UCS_OK and time.monotonic() < end:
             lib.ucp_worker_progress(e.h)
+        return None
 
     def abort(self, reason: str = "aborted", *, notify: bool = True) -> None:
         """Force-close this endpoint now (``UCP_EP_CLOSE_MODE_FORCE``) so that
@@ -640,6 +693,11 @@ class Endpoint(Handle):
             return
         self._released_reason = reason
         self._closed_reason = reason
+        if self._peer_mode and not self._borrowed and self._state.error == lib.UCS_OK:
+            # A TCP send in flight: the sockets first, before the notice
+            # (which then goes out of band only, _notify_abort).
+            self._shut_before_force_close(_ABORTED_SHUT)
+        self._shut_decided = True
         if notify and not self._borrowed:
             self._notify_abort()
         self.close(force=True)
@@ -858,6 +916,11 @@ class Endpoint(Handle):
         ``force=True`` closes at once (``UCP_EP_CLOSE_MODE_FORCE``): pending
         operations fail with :class:`~gpucx.CanceledError`, nothing is
         flushed.  An endpoint whose peer failed is always force-closed.
+        Before any force close, a send of this side that UCX still carries
+        over TCP has the endpoint's TCP connection shut down first (UCX 1.21
+        and 1.22 crash this process otherwise once the peer closes its
+        side): its operations' CanceledError says so (docs/reliability.md,
+        "Every force close goes through the shutdown").
 
         A ``mode="same-host"`` endpoint is never force-closed (UCX forbids
         it without peer error handling) and its close does not wait: with
@@ -871,6 +934,13 @@ class Endpoint(Handle):
         ------
         ValueError
             For a negative ``timeout``.
+
+        Warns
+        -----
+        RuntimeWarning
+            Once per process, when a force close meets a send in flight over
+            TCP whose sockets gpucx cannot find (a UCX other than 1.21 and
+            1.22): the close goes ahead, at the risk of that crash.
         """
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0, not {timeout}")
@@ -910,6 +980,16 @@ class Endpoint(Handle):
             # close in UCX completes without waiting for, e.g., a rendezvous
             # send the peer has not matched, which would then never finish.
             force = not self._drain(deadline)
+        if (
+            force
+            and self._peer_mode
+            and not self._shut_decided
+            and self._state.error == lib.UCS_OK
+        ):
+            forced = getattr(self, "_force", False)
+            self._shut_before_force_close(
+                _FORCE_CLOSED_SHUT if forced else _TIMED_OUT_SHUT
+            )
         slot = new_slot()
         if lib.gpucx_ep_close(self._h, 1 if force else 0, slot) == INPROGRESS:
             # A flush close needs the peer to progress, which may be another
@@ -933,6 +1013,19 @@ class Endpoint(Handle):
             return  # UCX may still use the keys: never free them under it
         for rkey in self._late_rkeys:
             lib.gpucx_rkey_destroy(rkey)
+
+    def _shut_before_force_close(self, reason: str) -> None:
+        """A close about to force-close this endpoint (``force=True``, a
+        flush close past its timeout, :meth:`abort`) while UCX has not
+        failed it: a send of this side in flight over TCP has the lanes
+        shut down first (:meth:`_shut_tcp_lanes`; the operations then end
+        with CanceledError saying ``reason``); where gpucx cannot find
+        their sockets the force close goes ahead, with a ``RuntimeWarning``
+        (once per process) naming the risk."""
+        why = self._shut_tcp_lanes(reason=reason, cancels=True)
+        if why is None or _FORCE_CLOSE_WARNED:
+            return
+        _warn_force_close(why)
 
     def _drain(self, deadline: float | None) -> bool:
         """Flush, then wait until no request of this endpoint is pending.
@@ -1114,6 +1207,66 @@ def _notice_handler(e):
             ep.fail(_ABORTED_BY_PEER)
 
     return on_notice
+
+
+#: What the operations UCX fails after Endpoint._shut_tcp_lanes say: for a
+#: release, a close(force=True) of the user's, a flush close past its timeout.
+_RELEASED_SHUT = (
+    "released after a deadline (on_timeout='release'): gpucx shut the "
+    "endpoint's TCP connection down"
+)
+_FORCE_CLOSED_SHUT = (
+    "canceled by close(force=True): gpucx shut the endpoint's TCP connection "
+    "down first (a send of this side was in flight over TCP)"
+)
+_ABORTED_SHUT = (
+    "canceled by abort(): gpucx shut the endpoint's TCP connection down "
+    "first (a send of this side was in flight over TCP)"
+)
+_TIMED_OUT_SHUT = (
+    "canceled by close(): the flush did not finish within the close's "
+    "timeout, and gpucx shut the endpoint's TCP connection down before "
+    "force-closing it (a send of this side was in flight over TCP)"
+)
+_CANCELED = lib.UCS_ERR_CANCELED
+#: Endpoint._shut_before_force_close warned once already (this process).
+_FORCE_CLOSE_WARNED = False
+
+
+def _warn_force_close(why: str) -> None:
+    """Warn, once per process, that a close force-closes an endpoint with
+    a TCP send in flight whose sockets gpucx could not find (``why``: what
+    :meth:`Endpoint._tcp_send_in_flight` said)."""
+    global _FORCE_CLOSE_WARNED
+    _FORCE_CLOSE_WARNED = True
+    from ._lib import UCX_VERSION
+
+    why = why.replace("so it was left open", "and it is force-closed anyway")
+    warnings.warn(
+        f"{why}: gpucx shuts such an endpoint's TCP connections down before a "
+        "force close, but could not find their sockets (it knows where UCX "
+        f"1.21 and 1.22 keep them; this is UCX {UCX_VERSION[0]}."
+        f"{UCX_VERSION[1]}). Give the operation up with "
+        "on_timeout='release' instead, or let it finish before closing; "
+        "this warning is given once per process",
+        RuntimeWarning,
+        stacklevel=_outside_gpucx(),
+    )
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _outside_gpucx() -> int:
+    """The ``stacklevel`` of the first frame outside gpucx, for a warning
+    issued by the function that calls this one (a close comes through
+    several of gpucx's frames: a worker's close, a context manager)."""
+    here = inspect.currentframe()
+    f: types.FrameType | None = here.f_back if here is not None else None
+    level = 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level
 
 
 #: Operations (gpucx.protocols.OPERATIONS keys) that carry this side's data

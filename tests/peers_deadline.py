@@ -24,6 +24,13 @@ send), "put", "get" (RMA on the victim's region), "am" (``receive_into`` of
 a rendezvous active message the victim sent).  "OP!" runs OP as if UCX
 were a version whose TCP sockets gpucx cannot find (a release of a TCP send
 is refused then).
+
+OP "hb" is the heartbeat's failing of a frozen peer (GPUCX_PEER_TIMEOUT from
+the environment) with a send in flight: the ``victim`` answers the
+heartbeat once, then stops itself; the ``releaser`` (no ``on_timeout``
+given) blocks in an 8 MiB send to it until the heartbeat fails the
+endpoint, reports how, and keeps progressing while the resumed victim
+closes its endpoint: :func:`hb_victim`, :func:`hb_sender`.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ import gpucx  # noqa: E402
 N = 8 << 20
 TAG = 7
 AM_ID = 9
+#: The tag of the "hb" victim's message that the sender waits for first.
+HELLO = 11
 CANARY = 0xEE
 DATA = 1
 #: How long the victim waits for its own operation once resumed.
@@ -245,6 +254,72 @@ def releaser(op: str, on_timeout: str, timeout: float) -> None:
         get()
 
 
+def hb_victim() -> None:
+    """The victim of "hb": answers the heartbeat during the sender's first
+    wait (a receive it serves after 1 s), stops itself, and once
+    resumed closes its endpoint when told to (what UCX 1.22 crashed the
+    sender on after a plain force close with a send in flight)."""
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        put(w.address)
+        ep = w.connect(get())
+        ep.flush(timeout=10)
+        end = time.monotonic() + 1.0  # the sender pings (after 0.4 s) meanwhile
+        while time.monotonic() < end:
+            w.progress()
+        ep.send(np.ones(8, np.uint8), tag=HELLO)
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            w.progress()
+        put("ready")
+        os.kill(os.getpid(), signal.SIGSTOP)
+        put("resumed")
+        get_progressing(w)  # "bye"
+        ep.close()
+        put("closed")
+        get()
+
+
+def hb_sender() -> None:
+    """The sender of "hb": waits once on the victim (which answers a ping),
+    then, the victim stopped, blocks in an 8 MiB send until the heartbeat
+    fails the endpoint; reports the error, whether the endpoint's TCP
+    lanes were shut down first, and progresses on while the victim closes
+    its side."""
+    with gpucx.Context() as ctx:
+        w = ctx.create_worker()
+        put(w.address)
+        ep = w.connect(get())
+        ep.flush(timeout=10)
+        # A wait on the endpoint (ep=): the heartbeat pings its peer.
+        w.recv_nb(np.zeros(8, np.uint8), tag=HELLO).wait(10, ep=ep)
+        answered = w._engine.beats[ep].answered
+        get_progressing(w)  # "go": the victim is stopped
+        t0 = time.monotonic()
+        err = None
+        try:
+            ep.send(np.ones(N, np.uint8), tag=TAG, timeout=30)
+        except gpucx.UCXError as exc:
+            err = exc
+        put(
+            {
+                "answered": answered,
+                "error": type(err).__name__ if err is not None else None,
+                "message": str(err),
+                "s": time.monotonic() - t0,
+                "closed": ep.closed,
+                "lanes_shut": ep._lanes_shut,
+            }
+        )
+        get_progressing(w)  # the victim closes its endpoint meanwhile
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            w.progress()
+            time.sleep(0.001)
+        put("alive")
+        get()
+
+
 if __name__ == "__main__":
     role, op = sys.argv[1], sys.argv[2]
     if op.endswith("!"):
@@ -255,7 +330,9 @@ if __name__ == "__main__":
 
         gpucx.endpoint._TCP_SHUTDOWN_UCX = frozenset()
         op = op[:-1]
-    if role == "victim":
+    if op == "hb":
+        hb_victim() if role == "victim" else hb_sender()
+    elif role == "victim":
         victim(op)
     else:
         releaser(op, sys.argv[3], float(sys.argv[4]))

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import hosts as hostlib
@@ -694,3 +695,227 @@ def test_release_over_tcp_in_one_process(by):
             assert time.monotonic() < end, "b never saw the connection close"
             b.progress()
         del rreq
+
+
+# -- every force close over TCP goes through the shutdown ----------------------
+
+
+def _wire(a, ab, b, ba) -> None:
+    """Wire up ``ab`` and ``ba`` (both workers progressing)."""
+    reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
+    reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
+    end = time.monotonic() + 10
+    while not all(r.done() for r in reqs):
+        assert time.monotonic() < end, "no wireup"
+        a.progress()
+        b.progress()
+
+
+def _send_stuck(a, ab, b):
+    """An 8 MiB send from ``a`` to ``b`` (which does not progress) and a
+    1 MiB one behind it, both still in UCX's hands over TCP."""
+    b.recv_nb(np.zeros(8 << 20, np.uint8), tag=5)
+    big = ab.send_nb(np.ones(8 << 20, np.uint8), tag=5)
+    other = ab.send_nb(np.ones(1 << 20, np.uint8), tag=6)
+    for _ in range(100):
+        a.progress()
+    assert not big.done()
+    assert ab._tcp_send_in_flight() is not None
+    return big, other
+
+
+def _sees_the_end(b, ba, within: float = 2.0) -> bool:
+    """Whether ``b``'s endpoint back fails (the connection ended) within
+    ``within`` seconds of progress: what the shutdown causes at once, and a
+    plain force close with a send stuck on the socket does not."""
+    end = time.monotonic() + within
+    while ba.error is None and time.monotonic() < end:
+        b.progress()
+    return ba.error is not None
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+@pytest.mark.parametrize("by", ["address", "port"])
+def test_force_close_over_tcp_shuts_the_sockets_first(by, how):
+    """A user's ``close(force=True)`` (or ``abort()``) with a send in
+    flight over TCP to a worker that does not progress: gpucx shuts the
+    endpoint's sockets down first (b sees the connection end at once; after
+    a plain force close it does not), the pending sends end with
+    CanceledError saying so, later operations raise ClosedError, and b
+    closing its side afterwards is harmless."""
+    ctx, a, b, ab, ba = _wired("tcp,self") if by == "address" else _wired_by_port()
+    with ctx:
+        big, other = _send_stuck(a, ab, b)
+        if how == "close":
+            ab.close(force=True)
+        else:
+            ab.abort("the test gave up")
+        assert ab.closed and ab._lanes_shut
+        assert ab.error is None  # closed here, not failed
+        said = r"close\(force=True\)" if how == "close" else r"abort\(\)"
+        for req in (big, other):
+            assert req.done()
+            with pytest.raises(gpucx.CanceledError, match=said):
+                req.result()
+        with pytest.raises(gpucx.ClosedError) as info:
+            ab.send(b"z", tag=7)
+        assert not isinstance(info.value, gpucx.PeerError)
+        assert _sees_the_end(b, ba), "the connection was not shut down"
+        ba.close()
+        for _ in range(100):
+            a.progress()
+
+
+def test_flush_close_past_its_timeout_shuts_the_sockets_first():
+    """A flush close whose flush cannot finish (the peer does not progress)
+    force-closes at its timeout: the TCP sockets are shut down first, and
+    the sends end with CanceledError naming the close's timeout.  (b in a
+    context of its own: a closing worker progresses its siblings.)"""
+    tls = {"TLS": "tcp,self"}
+    with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        _wire(a, ab, b, ba)
+        big, other = _send_stuck(a, ab, b)
+        ab.close(timeout=0.2)
+        assert ab.closed and ab._lanes_shut
+        with pytest.raises(gpucx.CanceledError, match="within the close's timeout"):
+            big.result()
+        assert _sees_the_end(b, ba), "the connection was not shut down"
+
+
+def test_failing_an_endpoint_over_tcp_shuts_the_sockets_first():
+    """gpucx failing an endpoint (``Endpoint.fail``, the abort notice; the
+    heartbeat and the liveness check go the same way, ``_peer_died``) with
+    a send in flight over TCP: the sockets are shut down before the force
+    close, and the pending sends fail with PeerError naming the reason."""
+    ctx, a, b, ab, ba = _wired("tcp,self")
+    with ctx:
+        big, other = _send_stuck(a, ab, b)
+        ab.fail("the test failed it")
+        assert ab.closed and ab._lanes_shut
+        for req in (big, other):
+            with pytest.raises(gpucx.PeerError, match="the test failed it"):
+                req.result()
+        with pytest.raises(gpucx.PeerError, match="the test failed it"):
+            ab.send(b"z", tag=7)
+        assert _sees_the_end(b, ba), "the connection was not shut down"
+        ba.close()
+
+
+def test_force_close_where_the_sockets_are_unknown_warns_once(monkeypatch):
+    """Where gpucx cannot find an endpoint's sockets (as if UCX were another
+    version): a ``close(force=True)`` with a TCP send in flight still
+    force-closes (CanceledError as before), warning once per process that
+    it risks UCX's crash; failing such an endpoint force-closes without a
+    warning; a force close with no send in flight shuts nothing down."""
+    monkeypatch.setattr(gendpoint, "_TCP_SHUTDOWN_UCX", frozenset())
+    monkeypatch.setattr(gendpoint, "_FORCE_CLOSE_WARNED", False)
+    ctx, a, b, ab, ba = _wired("tcp,self")
+    with ctx:
+        big, _ = _send_stuck(a, ab, b)
+        with pytest.warns(RuntimeWarning, match="could not find their sockets") as rec:
+            ab.close(force=True)
+        assert rec[0].filename == __file__  # the caller's line
+        assert ab.closed and not ab._lanes_shut
+        with pytest.raises(gpucx.CanceledError, match="canceled$"):
+            big.result()
+        c = ctx.create_worker()
+        for fail in (False, True):
+            ac = a.connect(c.address)
+            _wire(a, ac, c, c.connect(a.address))
+            big, _ = _send_stuck(a, ac, c)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                if fail:
+                    ac.fail("failed here")
+                else:
+                    ac.close(force=True)  # warned once already
+            assert ac.closed and not ac._lanes_shut
+            with pytest.raises(gpucx.CanceledError if not fail else gpucx.PeerError):
+                big.result()
+        monkeypatch.setattr(gendpoint, "_FORCE_CLOSE_WARNED", False)
+        idle = a.connect(c.address)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            idle.close(force=True)
+        assert not idle._lanes_shut
+
+
+def test_heartbeat_failing_a_blocking_send_over_tcp_shuts_the_sockets_first(
+    monkeypatch,
+):
+    """The heartbeat fails an endpoint whose peer stopped answering while a
+    blocking send on it (no tracked request: the wait's own operation)
+    waits over TCP: the sockets are shut down before the force close (b
+    sees the connection end), and the send fails with PeerError naming the
+    silence.  (b in a context of its own: nothing progresses it.)"""
+    monkeypatch.setenv("GPUCX_PEER_TIMEOUT", "1")
+    tls = {"TLS": "tcp,self"}
+    with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
+        a, b = ca.create_worker(), cb.create_worker()
+        ab, ba = a.connect(b.address), b.connect(a.address)
+        _wire(a, ab, b, ba)
+        # b answers a ping (sent once a wait lasts 0.2 T), then takes the send.
+        req = ab.send_nb(np.ones(8 << 20, np.uint8), tag=1)
+        end = time.monotonic() + 0.6
+        while time.monotonic() < end:
+            a.progress()
+            b.progress()
+        assert a._engine.beats[ab].answered
+        r = b.recv_nb(np.zeros(8 << 20, np.uint8), tag=1)
+        while not (req.done() and r.done()):
+            a.progress()
+            b.progress()
+        # b stops; a's blocking send waits until the heartbeat fails it.
+        with pytest.raises(gpucx.PeerError, match="did not answer"):
+            ab.send(np.ones(8 << 20, np.uint8), tag=2, timeout=10)
+        assert ab.closed and ab._lanes_shut
+        assert _sees_the_end(b, ba), "the connection was not shut down"
+        ba.close()
+
+
+@pytest.mark.timeout(120)
+def test_heartbeat_fails_a_frozen_peer_across_hosts(hosts):
+    """Two emulated hosts: the heartbeat (GPUCX_PEER_TIMEOUT=2) fails the
+    endpoint of a peer that stopped (SIGSTOP) while this side's 8 MiB send
+    to it is stuck on the TCP socket (TCP_USER_TIMEOUT chosen long, so
+    that the kernel does not reset the connection first, as it would at
+    0.6 T by default): the endpoint's sockets are shut down before its
+    force close, and this side outlives the resumed peer closing its
+    endpoint (the exit status is checked)."""
+    a, b = hosts
+    env = {"GPUCX_PEER_TIMEOUT": "2", "UCX_TCP_USER_TIMEOUT": "60s"}
+    victim = b.python(PEERS, "victim", "hb", label="hb victim", env=env)
+    sender = a.python(PEERS, "releaser", "hb", label="hb sender", env=env)
+    try:
+        va, sa = victim.get(), sender.get()
+        victim.put(sa)
+        sender.put(va)
+        assert victim.get() == "ready"
+        end = time.monotonic() + 10
+        while not _stopped(victim.proc.pid):
+            assert time.monotonic() < end, "the victim did not stop"
+            time.sleep(0.002)
+        sender.put("go")
+        seen = sender.get(timeout=30)
+        assert seen["answered"], seen
+        assert seen["error"] == "PeerError", seen
+        assert "did not answer for 2 s" in seen["message"], seen
+        assert seen["closed"] and seen["lanes_shut"], seen
+        os.kill(victim.proc.pid, signal.SIGCONT)
+        assert victim.get() == "resumed"
+        victim.put("bye")
+        assert victim.get() == "closed"
+        sender.put("closed")
+        assert sender.get() == "alive"
+        victim.put("exit")
+        sender.put("exit")
+        victim.join(15)
+        sender.join(15)
+    finally:
+        for p in (victim, sender):
+            if p.proc.poll() is None:
+                os.kill(p.proc.pid, signal.SIGCONT)
+                p.proc.kill()
+                p.proc.wait(5)
