@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import inspect
 import os
 import socket
 import struct
 import time
-import types
 import warnings
 import weakref
 
@@ -30,6 +28,7 @@ from .errors import (
     ep_create_error,
     peer_error_for,
     peer_gone,
+    stacklevel_outside,
 )
 from .ops import am as _am
 from .ops import am_batch as _am_batch
@@ -323,19 +322,27 @@ class Endpoint(Handle):
         waits on the endpoint raise PeerError (``Engine.block``).
 
         A send of this side in flight over TCP (a tracked request's, or
-        ``slot``'s: a blocking wait's operation) has the endpoint's sockets
-        shut down before the force close (:meth:`_shut_tcp_lanes`).
+        ``slot``'s: a blocking wait's operation) leaves the UCX endpoint open
+        the same way: no force close, which UCX 1.21/1.22 may crash on.
         """
         e = self._engine
         e.unhear(self)
         force = self._peer_mode and not e.multi
-        if force and not self._shut_decided and self._state.error == lib.UCS_OK:
-            # A send of this side in flight over TCP: its sockets first, while
-            # UCX has not failed the endpoint (its error callback ends the
-            # wait).  Where gpucx cannot find them, the force close goes
-            # ahead (the endpoint fails anyway; docs/reliability.md, "Known
+        if (
+            force
+            and not self._shut_decided
+            and self._state.error == lib.UCS_OK
+            and self._tcp_send_in_flight(slot) is not None
+        ):
+            # A send of this side in flight over TCP: no force close (UCX
+            # 1.21/1.22 may crash on it once the peer closes, and shutting
+            # the sockets down first crashed UCX when the peer had closed
+            # already, the usual order when a notice fails the endpoint).
+            # The endpoint is left open to UCX, as in "multi" mode: UCX
+            # fails it when the peer's side closes or the connection times
+            # out, and completes the send then (docs/reliability.md, "Known
             # UCX limitation").
-            self._shut_tcp_lanes(slot, reason)
+            force = False
         self._state.error = lib.UCS_ERR_CONNECTION_RESET
         self._error_reason = reason
         self._closed_reason = reason
@@ -1250,23 +1257,8 @@ def _warn_force_close(why: str) -> None:
         "on_timeout='release' instead, or let it finish before closing; "
         "this warning is given once per process",
         RuntimeWarning,
-        stacklevel=_outside_gpucx(),
+        stacklevel=stacklevel_outside(),
     )
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _outside_gpucx() -> int:
-    """The ``stacklevel`` of the first frame outside gpucx, for a warning
-    issued by the function that calls this one (a close comes through
-    several of gpucx's frames: a worker's close, a context manager)."""
-    here = inspect.currentframe()
-    f: types.FrameType | None = here.f_back if here is not None else None
-    level = 1
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
-        f, level = f.f_back, level + 1
-    return level
 
 
 #: Operations (gpucx.protocols.OPERATIONS keys) that carry this side's data

@@ -8,6 +8,9 @@ exception.  Every error keeps ``.status`` and ``.status_name``.
 from __future__ import annotations
 
 import builtins
+import inspect
+import os
+import types
 
 from ._lib import ffi, lib
 
@@ -243,3 +246,19 @@ def check(status: int, what: str) -> None:
     """
     if status != 0:
         raise error_for(status, what)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def stacklevel_outside() -> int:
+    """The ``stacklevel`` of the first frame outside gpucx, for a warning
+    issued by the function that calls this one (a call may come through
+    several of gpucx's frames: a worker's close, a context manager, a
+    request's wait)."""
+    here = inspect.currentframe()
+    f: types.FrameType | None = here.f_back if here is not None else None
+    level = 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level

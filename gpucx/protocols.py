@@ -55,10 +55,7 @@ over ``cuda_ipc``, ``cma``, ``knem``, ``rkey_ptr``, RDMA) is not slow.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import sys
-import types
 import warnings
 import weakref
 from typing import Any
@@ -66,7 +63,7 @@ from typing import Any
 from ._handle import raise_closed
 from ._internal import handle
 from ._lib import ffi, lib
-from .errors import SlowPathWarning, UCXError
+from .errors import SlowPathWarning, UCXError, stacklevel_outside
 
 __all__ = [
     "Protocol",
@@ -564,17 +561,6 @@ def _remember(ep, row, remote_memory: str):
 # -- the one-time slow-path warning --------------------------------------------
 
 _warned: set = set()
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside gpucx, for a warning
-    issued by the function that calls this one."""
-    f: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
-        f, level = f.f_back, level + 1
-    return level
 
 
 def warn_if_slow(ep, op: str, nbytes: int, memory, row=None):
@@ -611,7 +597,7 @@ def warn_if_slow(ep, op: str, nbytes: int, memory, row=None):
             f"{row.short!r} for sizes {rng} ({row.source}), a slow path; see "
             "docs/gpu.md, 'Which path does a transfer take?'"
         ),
-        stacklevel=_caller_level(),
+        stacklevel=stacklevel_outside(),
     )
     return row
 
