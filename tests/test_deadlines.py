@@ -615,6 +615,15 @@ def _wired_by_port(tls: str = "tcp"):
         assert time.monotonic() < end, "no wireup"
         a.progress()
         b.progress()
+    # A lane's connection (one over "lo", one over any other interface)
+    # may still be on its way after the first messages, and completes only
+    # while both sides progress: until then gpucx cannot find a socket for
+    # every lane (Endpoint._tcp_lane_sockets), and the tests here would
+    # meet the not-found fallback by chance.
+    while ab._tcp_lane_sockets() is None or ba._tcp_lane_sockets() is None:
+        assert time.monotonic() < end, (ab.transports, ba.transports)
+        a.progress()
+        b.progress()
     return ctx, a, b, ab, ba
 
 
@@ -655,17 +664,8 @@ def test_tcp_lane_sockets_are_the_endpoints_own():
     ctx, a, b, ab, ba = _wired_by_port()
     with ctx:
         lanes = [dev for tl, dev in ab.transports if tl == "tcp" and dev]
-        # A lane's connection may still be on its way after the first
-        # messages (a loaded machine): the search finds a socket for every
-        # lane once each is connected.
-        end = time.monotonic() + 10
-        while True:
-            fab, fba = ab._tcp_lane_sockets(), ba._tcp_lane_sockets()
-            if fab is not None and fba is not None:
-                break
-            assert time.monotonic() < end, (ab.transports, ba.transports, fab, fba)
-            a.progress()
-            b.progress()
+        fab, fba = ab._tcp_lane_sockets(), ba._tcp_lane_sockets()
+        assert fab is not None and fba is not None, ab.transports
         assert len(fab) == len(lanes) and not set(fab) & set(fba), (fab, fba)
         assert _ends(fab) == {(x, y) for y, x in _ends(fba)}
 
