@@ -129,7 +129,7 @@ def pair(monkeypatch):
         proc.start()
         ctx = gpucx.Context()
         w = ctx.create_worker()
-        made.append((ctx, proc, q_in))
+        made.append((ctx, w, proc, q_in))
         q_in.put(w.address)
         pid, address, remote = q_out.get(timeout=30)
         ep = w.connect(address)
@@ -137,11 +137,19 @@ def pair(monkeypatch):
         return w, ep, proc, q_in, q_out
 
     yield make
-    for ctx, proc, q_in in made:
+    for ctx, w, proc, q_in in made:
         os.kill(proc.pid, signal.SIGCONT)
         q_in.put(None)
         q_in.put(None)
-        proc.join(10)
+        # Progress while the peer ends: its context's close flushes its
+        # endpoint to this worker, which needs this side's progress, and
+        # its rendezvous send (tag 8) waits for a receive.
+        if not w.closed:
+            w.recv_nb(np.empty(BIG, np.uint8), tag=8)
+        end = time.monotonic() + 10
+        while proc.is_alive() and time.monotonic() < end:
+            w.progress()
+            proc.join(0.005)
         if proc.is_alive():
             proc.kill()
         ctx.close()
