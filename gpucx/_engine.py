@@ -864,7 +864,7 @@ class Engine:
           on a closed one, on one whose peer reaches this process's memory
           by itself (``Endpoint.direct_access``), or on one carrying a send
           over TCP whose sockets gpucx cannot find
-          (``Endpoint._tcp_release_refused``), it is parked instead.
+          (``Endpoint._release_shut``), it is parked instead.
 
         Returns ``(released, detail)``: whether UCX let go of the
         operation's buffers, and what happened, in words (for the error
@@ -900,13 +900,17 @@ class Engine:
         slot.  None when UCX let go of it (its slot released), else why it
         still holds it (and the operation is parked)."""
         slot = entry[0]
-        why = self._why_not_release(ep, on_timeout, slot)
+        why = self._why_not_release(ep, on_timeout)
         # Parked while the endpoint closes: the remote keys closed with it
         # see the operation that uses them (holding) and wait for it.
         self.parked.append(entry)
+        if why is None:
+            # A send blocked on a TCP socket: its sockets first (UCX 1.22
+            # would crash after a plain force close); parked where gpucx
+            # cannot find them.
+            why = ep._release_shut(slot)
         if why is not None:
             return why
-        ep._shut_tcp_lanes(slot)  # a TCP send in flight: its sockets first
         ep.abort("released after a deadline (on_timeout='release')")
         self.drain_slots([slot], time.monotonic() + RELEASE_DRAIN_S)
         if slot.status == INPROGRESS:
@@ -917,9 +921,10 @@ class Engine:
         _slot_release(slot)
         return None
 
-    def _why_not_release(self, ep, on_timeout: str | None, slot=None) -> str | None:
-        """Why ``on_timeout`` does not release ``slot``'s operation over
-        ``ep`` (None: it does)."""
+    def _why_not_release(self, ep, on_timeout: str | None) -> str | None:
+        """Why ``on_timeout`` does not release an operation over ``ep``
+        (None: it may; a TCP send whose sockets gpucx cannot find is
+        refused by :meth:`_release` itself, ``Endpoint._release_shut``)."""
         if on_timeout is None:
             on_timeout = self.context.on_timeout if ep is None else ep.on_timeout
         if on_timeout != "release":
@@ -939,10 +944,7 @@ class Engine:
                 "the peer reaches this process's memory by itself: closing "
                 "the endpoint would not stop it, so it was left open"
             )
-        # A send blocked on a TCP socket: released only once gpucx can shut
-        # the endpoint's sockets down first (UCX 1.22 would crash after a
-        # plain force close).
-        return ep._tcp_release_refused(slot)
+        return None
 
     # -- closing ------------------------------------------------------------------
 

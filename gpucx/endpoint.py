@@ -549,7 +549,7 @@ class Endpoint(Handle):
         first (:meth:`_shut_tcp_lanes`).
         """
         rows = [] if slot is None else [_protocols.request_protocol(slot)]
-        rows += [r.protocol for r in self._engine.pending if r._ep is self]
+        rows += [r.protocol for r in self._engine.pending_on(self)]
         for row in rows:
             if row is not None and row.op in _SENDS and "tcp/" in row.config:
                 return (
@@ -563,14 +563,15 @@ class Endpoint(Handle):
                 )
         return None
 
-    def _tcp_release_refused(self, slot=None) -> str | None:
-        """Why ``on_timeout="release"`` must leave this endpoint open for
-        ``slot``'s operation, or None: a send UCX carries over a TCP lane
-        (:meth:`_tcp_send_in_flight`) whose sockets gpucx cannot find to
-        shut them down first (:meth:`_tcp_lane_sockets`,
-        :meth:`_shut_tcp_lanes`)."""
-        why = self._tcp_send_in_flight(slot)
-        if why is None or self._tcp_lane_sockets():
+    def _release_shut(self, slot) -> str | None:
+        """What ``on_timeout="release"`` does before its force close: shut
+        the TCP lanes down when a send is in flight over one
+        (:meth:`_shut_tcp_lanes`).  None when that was done or not needed;
+        else why the endpoint must be left open for ``slot``'s operation: a
+        send UCX carries over a TCP lane whose sockets gpucx cannot find
+        (:meth:`_tcp_lane_sockets`)."""
+        why = self._shut_tcp_lanes(slot)
+        if why is None:
             return None
         from ._lib import UCX_VERSION
 
@@ -977,8 +978,9 @@ class Endpoint(Handle):
         e.unhear(self)
         if self._same_host and alive and self._park_busy():
             return  # the engine closes it once UCX let go of its operations
+        forced = getattr(self, "_force", False)
         force = (
-            getattr(self, "_force", False)
+            forced
             or self._state.error != lib.UCS_OK
             or not alive  # a flush close would wait in vain for a dead peer
         )
@@ -993,7 +995,6 @@ class Endpoint(Handle):
             and not self._shut_decided
             and self._state.error == lib.UCS_OK
         ):
-            forced = getattr(self, "_force", False)
             self._shut_before_force_close(
                 _FORCE_CLOSED_SHUT if forced else _TIMED_OUT_SHUT
             )

@@ -390,17 +390,23 @@ def test_asyncio_wait_for_on_withdrawable_receive():
     asyncio.run(main())
 
 
-def _wire_up(a, b):
-    """Endpoints both ways between workers ``a`` and ``b`` (one process),
-    wired up by a message each way."""
-    ab, ba = a.connect(b.address), b.connect(a.address)
+def _wire(a, ab, b, ba, end: float | None = None) -> None:
+    """Wire up ``ab`` (a to b) and ``ba`` by a message each way, both
+    workers progressing, by ``end`` (monotonic; default: 10 s from now)."""
     reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
     reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
-    end = time.monotonic() + 10
+    end = time.monotonic() + 10 if end is None else end
     while not all(r.done() for r in reqs):
         assert time.monotonic() < end, "no wireup"
         a.progress()
         b.progress()
+
+
+def _wire_up(a, b):
+    """Endpoints both ways between workers ``a`` and ``b`` (one process),
+    made from their addresses and wired up (:func:`_wire`)."""
+    ab, ba = a.connect(b.address), b.connect(a.address)
+    _wire(a, ab, b, ba)
     return ab, ba
 
 
@@ -609,12 +615,7 @@ def _wired_by_port(tls: str = "tcp"):
             ba = listener.accept(timeout=0.001)
         except gpucx.TimeoutError:
             pass
-    reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
-    reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
-    while not all(r.done() for r in reqs):
-        assert time.monotonic() < end, "no wireup"
-        a.progress()
-        b.progress()
+    _wire(a, ab, b, ba, end)
     # A lane's connection (one over "lo", one over any other interface)
     # may still be on its way after the first messages, and completes only
     # while both sides progress: until then gpucx cannot find a socket for
@@ -700,17 +701,6 @@ def test_release_over_tcp_in_one_process(by):
 # -- every force close over TCP goes through the shutdown ----------------------
 
 
-def _wire(a, ab, b, ba) -> None:
-    """Wire up ``ab`` and ``ba`` (both workers progressing)."""
-    reqs = [b.recv_nb(np.zeros(1, np.uint8), tag=99), ab.send_nb(b"x", tag=99)]
-    reqs += [a.recv_nb(np.zeros(1, np.uint8), tag=98), ba.send_nb(b"y", tag=98)]
-    end = time.monotonic() + 10
-    while not all(r.done() for r in reqs):
-        assert time.monotonic() < end, "no wireup"
-        a.progress()
-        b.progress()
-
-
 def _send_stuck(a, ab, b):
     """An 8 MiB send from ``a`` to ``b`` (which does not progress) and a
     1 MiB one behind it, both still in UCX's hands over TCP."""
@@ -774,8 +764,7 @@ def test_flush_close_past_its_timeout_shuts_the_sockets_first():
     tls = {"TLS": "tcp,self"}
     with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
         a, b = ca.create_worker(), cb.create_worker()
-        ab, ba = a.connect(b.address), b.connect(a.address)
-        _wire(a, ab, b, ba)
+        ab, ba = _wire_up(a, b)
         big, other = _send_stuck(a, ab, b)
         ab.close(timeout=0.2)
         assert ab.closed and ab._lanes_shut
@@ -862,8 +851,7 @@ def test_heartbeat_failing_a_blocking_send_over_tcp_shuts_the_sockets_first(
     tls = {"TLS": "tcp,self"}
     with gpucx.Context(config=tls) as ca, gpucx.Context(config=tls) as cb:
         a, b = ca.create_worker(), cb.create_worker()
-        ab, ba = a.connect(b.address), b.connect(a.address)
-        _wire(a, ab, b, ba)
+        ab, ba = _wire_up(a, b)
         # b answers a ping (sent once a wait lasts 0.2 T), then takes the send.
         req = ab.send_nb(np.ones(8 << 20, np.uint8), tag=1)
         end = time.monotonic() + 0.6
