@@ -458,7 +458,7 @@ def _sole_primary(drv: Any) -> int:
     if sole is None:
         sole = 0
         active = getattr(drv, "primary_active", None)
-        if active is not None and drv.device_count() == 1 and active(0):
+        if active is not None and _device_count(drv) == 1 and active(0):
             sole = drv.primary_context(0)
         _sole = sole
     return sole
@@ -503,7 +503,8 @@ def _enter(drv: Any, ptr: int, device: int) -> tuple[bool, int]:
 
 
 # The device count of the driver in use, once asked (reset with the driver):
-# CUDA fixes it at cuInit, so device_context(device=) asks the driver once.
+# CUDA fixes it at cuInit, so device_context(device=) and the door's
+# one-device shortcut (_sole_primary) ask the driver once between them.
 _count: int | None = None
 
 
