@@ -84,7 +84,7 @@ def route(ep, rkey, mt: int, ptr: Any, is_get: bool) -> Any:
         return None
     if not isinstance(ptr, int):
         ptr = int(ffi.cast("uintptr_t", ptr))
-    if mt != _HOST and _cuda.driver().pointer(ptr)[1] != m.device:
+    if mt != _HOST and _cuda.device_of(ptr) != m.device:
         return None  # a device the handle was not opened on: UCX
     return m
 
