@@ -239,9 +239,11 @@ def send_array(ep, arr, *, proto=None, stream=None, timeout=None) -> None:
     ------
     gpucx.TimeoutError
         When ``timeout`` seconds pass before the array is reusable.  UCX cannot
-        withdraw a send already handed to the transport: it may still reach
-        the peer, and gpucx keeps the array alive (do not modify it) until UCX
-        lets go of it, or the endpoint is closed.
+        withdraw a send already handed to the transport: parked (the
+        default) it may still reach the peer, and gpucx keeps the array alive
+        (do not modify it) until UCX lets go of it, or the endpoint is
+        closed; released (:attr:`Endpoint.on_timeout` ``"release"``) the
+        endpoint is force-closed first.  The error's ``released`` says which.
     ValueError
         For a non-contiguous device array or more than 64 dimensions.
     gpucx.UnsupportedError
