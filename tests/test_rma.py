@@ -618,6 +618,9 @@ def test_key_close_never_frees_a_key_a_parked_put_uses(pair, monkeypatch):
         while _parked_with(pair.a, key) or not spy.calls:
             pair.a.progress()
             assert time.monotonic() < deadline, (spy.calls, pair.a._engine.parked)
+        # The put's completion is local (its buffer reusable); the bytes
+        # are the target's once the endpoint is flushed.
+        pair.ab.flush(timeout=10)
     assert spy.calls == [0]
     assert np.array_equal(mem, src)
     region.close()
